@@ -1,0 +1,358 @@
+//! CloudEvents 1.0 envelopes for catalog changes, and their deterministic ids.
+//!
+//! An event id is a pure function of the change it describes, so a change that
+//! is re-published after a crash carries the same id (brokers deduplicate it)
+//! while any later change of the same record never does.
+
+use bytes::Bytes;
+use chrono::{DateTime, SecondsFormat, Utc};
+use serde::Serialize;
+use serde_json::value::RawValue;
+
+use crate::stream::{Resource, StreamKey, TenantId};
+
+/// What kind of change an event reports (the `op` attribute).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Op {
+    /// A record not known before, seen after the stream's first sync.
+    Create,
+    /// A known record whose content hash changed.
+    Update,
+    /// A record emitted by the first sync or by a replay.
+    Snapshot,
+    /// A record that a complete listing no longer contains.
+    Delete,
+}
+
+impl Op {
+    /// The lowercase name used in the `op` attribute and in metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Op::Create => "create",
+            Op::Update => "update",
+            Op::Snapshot => "snapshot",
+            Op::Delete => "delete",
+        }
+    }
+}
+
+/// The CloudEvents `type` of an event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EventType {
+    /// `voucher.updated` / `category.updated`.
+    Updated(Resource),
+    /// `voucher.deleted` / `category.deleted`.
+    Deleted(Resource),
+    /// `replay.started`.
+    ReplayStarted,
+    /// `replay.completed`.
+    ReplayCompleted,
+}
+
+impl EventType {
+    /// The dotted type name, e.g. `voucher.updated`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventType::Updated(Resource::Vouchers) => "voucher.updated",
+            EventType::Updated(Resource::Categories) => "category.updated",
+            EventType::Deleted(Resource::Vouchers) => "voucher.deleted",
+            EventType::Deleted(Resource::Categories) => "category.deleted",
+            EventType::ReplayStarted => "replay.started",
+            EventType::ReplayCompleted => "replay.completed",
+        }
+    }
+}
+
+/// The inputs of a deterministic event id (DESIGN.md, "Event").
+#[derive(Debug, Clone, Copy)]
+pub struct EventIdParts<'a> {
+    /// Tenant of the record.
+    pub tenant: TenantId,
+    /// Resource of the record.
+    pub resource: Resource,
+    /// Record id, or a marker such as `replay.started` for framing events.
+    pub record_id: &'a str,
+    /// How many deletes of this record id were seen before.
+    pub generation: u32,
+    /// The record's `updated_at` as the API returned it, if any.
+    pub updated_at: Option<&'a str>,
+    /// Hex content hash of the event's data.
+    pub content_hash: &'a str,
+    /// Hex content hash of the previous version, on update and delete.
+    pub previous_hash: Option<&'a str>,
+    /// Replay id, on events emitted by a replay.
+    pub replay_id: Option<&'a str>,
+}
+
+/// Computes the 32-hex-digit event id: blake3 over the length-prefixed parts.
+pub fn event_id(parts: &EventIdParts<'_>) -> String {
+    let mut h = blake3::Hasher::new();
+    h.update(b"voucher-cdc/event-id/v1");
+    let mut field = |bytes: Option<&[u8]>| match bytes {
+        None => {
+            h.update(&[0]);
+        }
+        Some(b) => {
+            h.update(&[1]);
+            h.update(&(b.len() as u64).to_le_bytes());
+            h.update(b);
+        }
+    };
+    field(Some(&parts.tenant.to_le_bytes()));
+    field(Some(parts.resource.as_str().as_bytes()));
+    field(Some(parts.record_id.as_bytes()));
+    field(Some(&parts.generation.to_le_bytes()));
+    field(parts.updated_at.map(str::as_bytes));
+    field(Some(parts.content_hash.as_bytes()));
+    field(parts.previous_hash.map(str::as_bytes));
+    field(parts.replay_id.map(str::as_bytes));
+    let digest = h.finalize();
+    hex::encode(&digest.as_bytes()[..16])
+}
+
+/// The structured-mode CloudEvents JSON document (field order as DESIGN.md).
+#[derive(Debug, Serialize)]
+pub struct CloudEvent<'a> {
+    /// Always `1.0`.
+    pub specversion: &'static str,
+    /// Deterministic id, see [`event_id`].
+    pub id: &'a str,
+    /// `/tenants/{tenant}/catalog/{resource}`.
+    pub source: String,
+    /// Event type name.
+    #[serde(rename = "type")]
+    pub ty: &'static str,
+    /// Record id (or the replay id for framing events).
+    pub subject: &'a str,
+    /// Record `updated_at`, else detection time (RFC 3339).
+    pub time: String,
+    /// Always `application/json`.
+    pub datacontenttype: &'static str,
+    /// `{tenant}:{singular resource}:{record id}`.
+    pub partitionkey: &'a str,
+    /// Tenant id.
+    pub tenant: TenantId,
+    /// Kind of change (absent on replay framing events).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub op: Option<Op>,
+    /// Hex content hash of `data`.
+    pub contenthash: &'a str,
+    /// Hex content hash of the previous version, on update and delete.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub previoushash: Option<&'a str>,
+    /// Replay id, on events emitted by a replay.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replayid: Option<&'a str>,
+    /// The record exactly as the API returned it.
+    pub data: &'a RawValue,
+}
+
+/// An encoded event, ready for any sink.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    /// Deterministic event id (32 hex digits).
+    pub id: String,
+    /// The stream the event belongs to.
+    pub stream: StreamKey,
+    /// Event type.
+    pub ty: EventType,
+    /// Kind of change (None on replay framing events).
+    pub op: Option<Op>,
+    /// Partition key: `{tenant}:{voucher|category}:{id}`.
+    pub partition_key: String,
+    /// The serialized CloudEvent JSON.
+    pub payload: Bytes,
+}
+
+impl Event {
+    /// True for `*.deleted` events (Kafka follows them with a tombstone).
+    pub fn is_delete(&self) -> bool {
+        matches!(self.ty, EventType::Deleted(_))
+    }
+}
+
+/// Formats a timestamp the way events carry it (RFC 3339, UTC, `Z`).
+pub fn format_time(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(SecondsFormat::Micros, true)
+}
+
+/// The partition key of a record: `{tenant}:{voucher|category}:{id}`.
+pub fn partition_key(stream: StreamKey, record_id: &str) -> String {
+    format!(
+        "{}:{}:{}",
+        stream.tenant,
+        stream.resource.singular(),
+        record_id
+    )
+}
+
+/// Everything needed to build one record event.
+#[derive(Debug, Clone, Copy)]
+pub struct RecordChange<'a> {
+    /// Stream of the record.
+    pub stream: StreamKey,
+    /// Record id as a decimal string.
+    pub record_id: &'a str,
+    /// Delete generation of the record id.
+    pub generation: u32,
+    /// Kind of change.
+    pub op: Op,
+    /// The record's `updated_at` string, if any.
+    pub updated_at: Option<&'a str>,
+    /// Hex content hash of `data`.
+    pub content_hash: &'a str,
+    /// Hex content hash of the previous version.
+    pub previous_hash: Option<&'a str>,
+    /// Replay id, when emitted by a replay.
+    pub replay_id: Option<&'a str>,
+    /// The record as returned by the API (for deletes: `{"id":N}`).
+    pub data: &'a RawValue,
+    /// Detection time, used as `time` when the record has no `updated_at`.
+    pub detected_at: DateTime<Utc>,
+}
+
+/// Builds the event for one record change.
+pub fn record_event(change: &RecordChange<'_>) -> Event {
+    let ty = if change.op == Op::Delete {
+        EventType::Deleted(change.stream.resource)
+    } else {
+        EventType::Updated(change.stream.resource)
+    };
+    let id = event_id(&EventIdParts {
+        tenant: change.stream.tenant,
+        resource: change.stream.resource,
+        record_id: change.record_id,
+        generation: change.generation,
+        updated_at: change.updated_at,
+        content_hash: change.content_hash,
+        previous_hash: change.previous_hash,
+        replay_id: change.replay_id,
+    });
+    let partition_key = partition_key(change.stream, change.record_id);
+    let time = match change.updated_at {
+        Some(t) if change.op != Op::Delete => t.to_string(),
+        _ => format_time(change.detected_at),
+    };
+    let doc = CloudEvent {
+        specversion: "1.0",
+        id: &id,
+        source: source(change.stream),
+        ty: ty.as_str(),
+        subject: change.record_id,
+        time,
+        datacontenttype: "application/json",
+        partitionkey: &partition_key,
+        tenant: change.stream.tenant,
+        op: Some(change.op),
+        contenthash: change.content_hash,
+        previoushash: change.previous_hash,
+        replayid: change.replay_id,
+        data: change.data,
+    };
+    let payload = encode(&doc);
+    Event {
+        id,
+        stream: change.stream,
+        ty,
+        op: Some(change.op),
+        partition_key,
+        payload,
+    }
+}
+
+/// Data of a `replay.started` / `replay.completed` event.
+#[derive(Debug, Serialize)]
+struct ReplayData<'a> {
+    tenant: TenantId,
+    resource: Resource,
+    replayid: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    since: Option<&'a str>,
+    records: u64,
+}
+
+/// Builds a `replay.started` (`completed == false`) or `replay.completed` event.
+///
+/// Ids are deterministic in (stream, replay id, kind): a replay restarted after
+/// a crash re-announces itself with the same id.
+pub fn replay_event(
+    stream: StreamKey,
+    replay_id: &str,
+    since: Option<&str>,
+    completed: bool,
+    records: u64,
+    now: DateTime<Utc>,
+) -> Event {
+    let ty = if completed {
+        EventType::ReplayCompleted
+    } else {
+        EventType::ReplayStarted
+    };
+    let data = ReplayData {
+        tenant: stream.tenant,
+        resource: stream.resource,
+        replayid: replay_id,
+        since,
+        records,
+    };
+    let data_json = serde_json::to_string(&data).unwrap_or_else(|_| "{}".to_string());
+    let data_raw = RawValue::from_string(data_json).unwrap_or_else(|_| empty_object());
+    let content_hash = hex::encode(&blake3::hash(data_raw.get().as_bytes()).as_bytes()[..16]);
+    let id = event_id(&EventIdParts {
+        tenant: stream.tenant,
+        resource: stream.resource,
+        record_id: ty.as_str(),
+        generation: 0,
+        updated_at: None,
+        // The completed count is part of the data but not of the identity: a
+        // replay completes once, whatever count a retried attempt reports.
+        content_hash: "",
+        previous_hash: None,
+        replay_id: Some(replay_id),
+    });
+    let partition_key = format!(
+        "{}:{}:replay",
+        stream.tenant,
+        stream.resource.singular()
+    );
+    let doc = CloudEvent {
+        specversion: "1.0",
+        id: &id,
+        source: source(stream),
+        ty: ty.as_str(),
+        subject: replay_id,
+        time: format_time(now),
+        datacontenttype: "application/json",
+        partitionkey: &partition_key,
+        tenant: stream.tenant,
+        op: None,
+        contenthash: &content_hash,
+        previoushash: None,
+        replayid: Some(replay_id),
+        data: &data_raw,
+    };
+    Event {
+        payload: encode(&doc),
+        id,
+        stream,
+        ty,
+        op: None,
+        partition_key,
+    }
+}
+
+fn source(stream: StreamKey) -> String {
+    format!("/tenants/{}/catalog/{}", stream.tenant, stream.resource)
+}
+
+fn empty_object() -> Box<RawValue> {
+    // `{}` is valid JSON, so this cannot fail; fall back to `null` regardless.
+    RawValue::from_string("{}".to_string()).unwrap_or_else(|_| RawValue::NULL.to_owned())
+}
+
+fn encode(doc: &CloudEvent<'_>) -> Bytes {
+    // Serializing a struct of strings, numbers and an already-valid RawValue
+    // cannot fail; an empty payload would be rejected by every consumer.
+    Bytes::from(serde_json::to_vec(doc).unwrap_or_default())
+}

@@ -1,0 +1,10 @@
+//! voucher-cdc: polls the External Voucher API per tenant, detects catalog
+//! changes against a store of content hashes, and publishes CloudEvents to
+//! Kafka, NATS JetStream, a file or stdout.
+
+pub mod event;
+pub mod simulator;
+pub mod sinks;
+pub mod stream;
+pub mod telemetry;
+pub mod upstream;

@@ -1,0 +1,1 @@
+//! A faithful in-process simulator of the External Voucher API.

@@ -1,0 +1,53 @@
+//! Where events go: the `Sink` trait every backend implements, and the
+//! classification of publish failures into retriable and fatal.
+//!
+//! A sink acknowledges each event on its own; the sweep commits a record's
+//! content hash only after its event was acknowledged (DESIGN.md, invariant).
+
+use async_trait::async_trait;
+
+use crate::event::Event;
+
+/// Why an event (or the sink as a whole) failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SinkError {
+    /// A transient failure (broker down, timeout, queue full for too long): retry later.
+    #[error("{0}")]
+    Retriable(String),
+    /// A permanent failure (bad config, message rejected as invalid): retrying will not help.
+    #[error("{0}")]
+    Fatal(String),
+}
+
+impl SinkError {
+    /// True when the same publish may succeed later.
+    pub fn is_retriable(&self) -> bool {
+        matches!(self, SinkError::Retriable(_))
+    }
+}
+
+/// The outcome of publishing one event: `Ok` means the sink acknowledged it durably.
+pub type Ack = Result<(), SinkError>;
+
+/// A destination for events.
+#[async_trait]
+pub trait Sink: Send + Sync {
+    /// Short name used in logs, metrics and status (`nats`, `kafka`, `file`, ...).
+    fn name(&self) -> &str;
+
+    /// Publishes a batch and returns one ack result per event, in order.
+    ///
+    /// Implementations keep many events in flight but must await every
+    /// acknowledgement before returning; an event whose result is `Ok` is durable.
+    async fn publish(&self, events: &[Event]) -> Vec<Ack>;
+
+    /// Checks that the sink can currently accept events.
+    async fn health(&self) -> Result<(), SinkError> {
+        Ok(())
+    }
+
+    /// Flushes buffered data; called at the end of a sweep and on shutdown.
+    async fn flush(&self) -> Result<(), SinkError> {
+        Ok(())
+    }
+}

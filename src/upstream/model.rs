@@ -1,0 +1,1 @@
+//! Serde types for every resource of the External Voucher API spec.
