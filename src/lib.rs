@@ -2,9 +2,11 @@
 //! changes against a store of content hashes, and publishes CloudEvents to
 //! Kafka, NATS JetStream, a file or stdout.
 
+pub mod diff;
 pub mod event;
 pub mod simulator;
 pub mod sinks;
+pub mod state;
 pub mod stream;
 pub mod telemetry;
 pub mod upstream;
