@@ -215,10 +215,6 @@ impl Sink for KafkaSink {
             });
         }
         record_publish(SINK, started, &acks);
-        if let Some(Err(e)) = acks.iter().find(|a| a.is_err()) {
-            let failed = acks.iter().filter(|a| a.is_err()).count();
-            tracing::warn!(sink = SINK, failed, total = acks.len(), error = %e, "publish failed");
-        }
         acks
     }
 

@@ -203,10 +203,6 @@ impl Sink for NatsSink {
             acks[index] = outcome;
         }
         record_publish(SINK, started, &acks);
-        if let Some(Err(e)) = acks.iter().find(|a| a.is_err()) {
-            let failed = acks.iter().filter(|a| a.is_err()).count();
-            tracing::warn!(sink = SINK, failed, total = acks.len(), error = %e, "publish failed");
-        }
         acks
     }
 
