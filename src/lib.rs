@@ -3,6 +3,7 @@
 //! Kafka, NATS JetStream, a file or stdout.
 
 pub mod event;
+pub mod shard;
 pub mod simulator;
 pub mod sinks;
 pub mod stream;
