@@ -4,6 +4,7 @@
 
 pub mod diff;
 pub mod event;
+pub mod shard;
 pub mod simulator;
 pub mod sinks;
 pub mod state;
