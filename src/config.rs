@@ -12,8 +12,7 @@ use figment::providers::{Env, Format, Toml};
 use figment::Figment;
 use serde::{Deserialize, Serialize, Serializer};
 
-use crate::shard::ShardConfig;
-use crate::sinks::file::FileSinkConfig;
+use crate::shard::{Shard, ShardConfig};
 use crate::sinks::kafka::KafkaSinkConfig;
 use crate::sinks::nats::NatsSinkConfig;
 use crate::stream::{Resource, StreamKey, TenantId};
@@ -275,6 +274,14 @@ pub struct SinkConfig {
     pub file: Option<FileSinkConfig>,
 }
 
+/// `[sink.file]`: the file sink (JSON lines).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileSinkConfig {
+    /// File the events are appended to, one JSON document per line.
+    pub path: PathBuf,
+}
+
 /// `[admin]`: the admin HTTP API.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -404,9 +411,15 @@ impl Config {
                 Ok(u) if u.scheme() == "http" || u.scheme() == "https" => {}
                 Ok(u) => bad(
                     "upstream.base_url",
-                    format!("scheme `{}` not supported: valid options are http, https", u.scheme()),
+                    format!(
+                        "scheme `{}` not supported: valid options are http, https",
+                        u.scheme()
+                    ),
                 ),
-                Err(e) => bad("upstream.base_url", format!("not a valid URL ({e}): `{raw}`")),
+                Err(e) => bad(
+                    "upstream.base_url",
+                    format!("not a valid URL ({e}): `{raw}`"),
+                ),
             },
         }
         let all_tenants_have_tokens =
@@ -438,12 +451,18 @@ impl Config {
         }
 
         if self.tenants.is_empty() {
-            bad("tenants", "at least one [[tenants]] entry is required".into());
+            bad(
+                "tenants",
+                "at least one [[tenants]] entry is required".into(),
+            );
         }
         let mut seen = BTreeSet::new();
         for (i, t) in self.tenants.iter().enumerate() {
             if !seen.insert(t.id) {
-                bad(&format!("tenants[{i}].id"), format!("tenant {} is listed twice", t.id));
+                bad(
+                    &format!("tenants[{i}].id"),
+                    format!("tenant {} is listed twice", t.id),
+                );
             }
             if t.resources.is_empty() {
                 bad(
@@ -453,7 +472,10 @@ impl Config {
             }
             let distinct: BTreeSet<_> = t.resources.iter().collect();
             if distinct.len() != t.resources.len() {
-                bad(&format!("tenants[{i}].resources"), "lists a resource twice".into());
+                bad(
+                    &format!("tenants[{i}].resources"),
+                    "lists a resource twice".into(),
+                );
             }
         }
 
@@ -469,7 +491,10 @@ impl Config {
         if !(0.0..=1.0).contains(&self.poll.max_delete_fraction) {
             bad(
                 "poll.max_delete_fraction",
-                format!("must be between 0 and 1, got {}", self.poll.max_delete_fraction),
+                format!(
+                    "must be between 0 and 1, got {}",
+                    self.poll.max_delete_fraction
+                ),
             );
         }
         if self.poll.ignore_keys.iter().any(|k| k == "id") {
@@ -482,17 +507,20 @@ impl Config {
 
         match self.sink.kind {
             SinkKind::Kafka => match &self.sink.kafka {
-                None => bad("sink.kafka.brokers", "required when sink.kind = \"kafka\"".into()),
+                None => bad(
+                    "sink.kafka.brokers",
+                    "required when sink.kind = \"kafka\"".into(),
+                ),
                 Some(k) => {
                     if let Err(e) = k.validate() {
-                        problems.extend(e.into_iter().map(|p| format!("sink.kafka.{p}")));
+                        problems.push(e.to_string());
                     }
                 }
             },
             SinkKind::Nats => {
                 if let Some(n) = &self.sink.nats {
                     if let Err(e) = n.validate() {
-                        problems.extend(e.into_iter().map(|p| format!("sink.nats.{p}")));
+                        problems.push(e.to_string());
                     }
                 }
             }
@@ -503,7 +531,10 @@ impl Config {
         match self.admin.listen.parse::<SocketAddr>() {
             Err(_) => bad(
                 "admin.listen",
-                format!("`{}` is not an address like 127.0.0.1:9464", self.admin.listen),
+                format!(
+                    "`{}` is not an address like 127.0.0.1:9464",
+                    self.admin.listen
+                ),
             ),
             Ok(addr) if !addr.ip().is_loopback() && self.admin.token.is_none() => bad(
                 "admin.token",
@@ -512,10 +543,13 @@ impl Config {
             Ok(_) => {}
         }
         if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log.level) {
-            bad("log.level", format!("`{}` is not a valid filter: {e}", self.log.level));
+            bad(
+                "log.level",
+                format!("`{}` is not a valid filter: {e}", self.log.level),
+            );
         }
         if let Err(e) = self.shard.validate() {
-            bad("shard", e.to_string());
+            problems.push(e.to_string());
         }
 
         if problems.is_empty() {
@@ -525,11 +559,16 @@ impl Config {
         }
     }
 
-    /// Every stream this daemon owns (all configured, filtered by shard).
-    pub fn streams(&self) -> Vec<StreamKey> {
+    /// Every configured stream, whichever shard owns it.
+    pub fn all_streams(&self) -> Vec<StreamKey> {
+        self.streams(&Shard::single())
+    }
+
+    /// The streams a daemon running as `shard` owns.
+    pub fn streams(&self, shard: &Shard) -> Vec<StreamKey> {
         self.tenants
             .iter()
-            .filter(|t| self.shard.owns(t.id))
+            .filter(|t| shard.owns(t.id))
             .flat_map(|t| t.resources.iter().map(|r| StreamKey::new(t.id, *r)))
             .collect()
     }

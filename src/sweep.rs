@@ -21,8 +21,9 @@ use crate::sinks::{Sink, SinkError};
 use crate::state::{Intent, RecordState, StateError, StateStore, StreamState, Tombstone};
 use crate::stream::StreamKey;
 use crate::telemetry::metric;
-use crate::upstream::client::{ListQuery, UpstreamClient};
+use crate::upstream::client::UpstreamClient;
 use crate::upstream::error::UpstreamError;
+use crate::upstream::pagination::ListQuery;
 use crate::upstream::{Page, Record};
 
 /// Which kind of sweep the scheduler asks for.
@@ -451,12 +452,13 @@ impl Sweeper {
         let mut pending: Vec<PendingChange> = Vec::new();
         let mut seen_unchanged: Vec<i64> = Vec::new();
         for (record, known) in records.iter().zip(&known) {
-            let hash = content_hash(record.raw.get(), &self.settings.ignore_keys).map_err(
-                |source| SweepError::Hash {
-                    record_id: record.id,
-                    source,
-                },
-            )?;
+            let hash =
+                content_hash(record.raw.get(), &self.settings.ignore_keys).map_err(|source| {
+                    SweepError::Hash {
+                        record_id: record.id,
+                        source,
+                    }
+                })?;
             let decision = decide(known.as_ref().map(|k| k.hash), hash, plan.mode);
             let Decision::Emit { op, previous } = decision else {
                 seen_unchanged.push(record.id);
@@ -593,7 +595,8 @@ impl Sweeper {
         }
         let would_delete = doomed.len() as u64;
         if plan.mode != SweepMode::FirstSync
-            && (would_delete as f64) > self.settings.max_delete_fraction * (known_before.max(1) as f64)
+            && (would_delete as f64)
+                > self.settings.max_delete_fraction * (known_before.max(1) as f64)
         {
             metrics::counter!(metric::DELETES_REFUSED, "tenant" => self.stream.tenant.to_string(),
                 "resource" => self.stream.resource.as_str())
@@ -627,20 +630,22 @@ impl Sweeper {
             let events: Vec<Event> = chunk
                 .iter()
                 .zip(&prepared)
-                .map(|((_, generation, _, _), (record_id, data, hash, previous, updated_at))| {
-                    event::record_event(&RecordChange {
-                        stream: self.stream,
-                        record_id,
-                        generation: *generation,
-                        op: Op::Delete,
-                        updated_at: updated_at.as_deref(),
-                        content_hash: hash,
-                        previous_hash: Some(previous),
-                        replay_id: plan.replay_id.as_deref(),
-                        data,
-                        detected_at,
-                    })
-                })
+                .map(
+                    |((_, generation, _, _), (record_id, data, hash, previous, updated_at))| {
+                        event::record_event(&RecordChange {
+                            stream: self.stream,
+                            record_id,
+                            generation: *generation,
+                            op: Op::Delete,
+                            updated_at: updated_at.as_deref(),
+                            content_hash: hash,
+                            previous_hash: Some(previous),
+                            replay_id: plan.replay_id.as_deref(),
+                            data,
+                            detected_at,
+                        })
+                    },
+                )
                 .collect();
             self.publish_all(&events).await?;
             for e in &events {
@@ -755,8 +760,7 @@ struct PendingChange<'a> {
 
 /// The `data` of a delete event: just the record id.
 fn delete_data(id: i64) -> Box<RawValue> {
-    RawValue::from_string(format!("{{\"id\":{id}}}"))
-        .unwrap_or_else(|_| RawValue::NULL.to_owned())
+    RawValue::from_string(format!("{{\"id\":{id}}}")).unwrap_or_else(|_| RawValue::NULL.to_owned())
 }
 
 /// Parses an API timestamp into unix microseconds (None when absent or unreadable).

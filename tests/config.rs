@@ -30,7 +30,7 @@ fn a_minimal_config_gets_every_documented_default() {
     assert_eq!(cfg.sink.kind, SinkKind::Nats);
     assert_eq!(cfg.admin.listen, "127.0.0.1:9464");
     assert_eq!(
-        cfg.streams(),
+        cfg.all_streams(),
         vec![
             StreamKey::new(42, Resource::Vouchers),
             StreamKey::new(42, Resource::Categories)

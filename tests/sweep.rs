@@ -23,7 +23,7 @@ const V: Resource = Resource::Vouchers;
 const C: Resource = Resource::Categories;
 
 struct Harness {
-    sim: Simulator,
+    sim: Arc<Simulator>,
     dir: tempfile::TempDir,
     store: Arc<dyn StateStore>,
     sink: TestSink,
@@ -40,6 +40,7 @@ async fn spawn_harness(tenants: u64, vouchers: usize, categories: usize) -> Harn
         ..SimulatorOptions::default()
     })
     .await
+    .map(Arc::new)
     .expect("simulator starts");
     let dir = tempfile::tempdir().unwrap();
     let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&state_path(dir.path())).unwrap());
@@ -355,7 +356,7 @@ async fn a_record_updated_while_the_sweep_pages_ends_with_its_latest_version_com
         h.sim.touch(1, V, *id);
     }
     let target = ids[0];
-    let sim = Arc::new(h.sim.clone_handle());
+    let sim = h.sim.clone();
     let calls = Arc::new(AtomicUsize::new(0));
     let mut sweeper = h.sweeper(stream);
     {
