@@ -13,6 +13,7 @@ use figment::Figment;
 use serde::{Deserialize, Serialize, Serializer};
 
 use crate::shard::{Shard, ShardConfig};
+use crate::sinks::file::FileSinkConfig;
 use crate::sinks::kafka::KafkaSinkConfig;
 use crate::sinks::nats::NatsSinkConfig;
 use crate::stream::{Resource, StreamKey, TenantId};
@@ -174,6 +175,15 @@ pub struct PollConfig {
     /// A full sweep that would delete more than this fraction of known records refuses.
     #[serde(default = "default_max_delete_fraction")]
     pub max_delete_fraction: f64,
+    /// How often a parked stream (401/403/404) is tried again.
+    #[serde(default = "default_park_recheck_interval", with = "humantime_serde")]
+    pub park_recheck_interval: Duration,
+    /// Random spread of every wait, as a fraction of it (0.1 = plus or minus 10%).
+    #[serde(default = "default_jitter")]
+    pub jitter: f64,
+    /// How long shutdown waits for the pages in flight to be acknowledged and committed.
+    #[serde(default = "default_shutdown_timeout", with = "humantime_serde")]
+    pub shutdown_timeout: Duration,
 }
 
 fn default_interval() -> Duration {
@@ -194,6 +204,15 @@ fn default_ignore_keys() -> Vec<String> {
 fn default_max_delete_fraction() -> f64 {
     0.5
 }
+fn default_park_recheck_interval() -> Duration {
+    Duration::from_secs(300)
+}
+fn default_jitter() -> f64 {
+    0.1
+}
+fn default_shutdown_timeout() -> Duration {
+    Duration::from_secs(30)
+}
 
 impl Default for PollConfig {
     fn default() -> Self {
@@ -204,6 +223,9 @@ impl Default for PollConfig {
             include_relations: true,
             ignore_keys: default_ignore_keys(),
             max_delete_fraction: default_max_delete_fraction(),
+            park_recheck_interval: default_park_recheck_interval(),
+            jitter: default_jitter(),
+            shutdown_timeout: default_shutdown_timeout(),
         }
     }
 }
@@ -272,14 +294,6 @@ pub struct SinkConfig {
     /// File sink settings.
     #[serde(default)]
     pub file: Option<FileSinkConfig>,
-}
-
-/// `[sink.file]`: the file sink (JSON lines).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct FileSinkConfig {
-    /// File the events are appended to, one JSON document per line.
-    pub path: PathBuf,
 }
 
 /// `[admin]`: the admin HTTP API.
@@ -499,6 +513,21 @@ impl Config {
         }
         if self.poll.ignore_keys.iter().any(|k| k == "id") {
             bad("poll.ignore_keys", "must not contain `id`".into());
+        }
+        if self.poll.park_recheck_interval.is_zero() {
+            bad(
+                "poll.park_recheck_interval",
+                "must be greater than 0s".into(),
+            );
+        }
+        if !(0.0..=0.5).contains(&self.poll.jitter) {
+            bad(
+                "poll.jitter",
+                format!("must be between 0 and 0.5, got {}", self.poll.jitter),
+            );
+        }
+        if self.poll.shutdown_timeout.is_zero() {
+            bad("poll.shutdown_timeout", "must be greater than 0s".into());
         }
 
         if self.state.path.as_os_str().is_empty() {

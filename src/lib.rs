@@ -2,10 +2,14 @@
 //! changes against a store of content hashes, and publishes CloudEvents to
 //! Kafka, NATS JetStream, a file or stdout.
 
+pub mod admin;
 pub mod cli;
 pub mod config;
+pub mod daemon;
+pub mod demo;
 pub mod diff;
 pub mod event;
+pub mod scheduler;
 pub mod shard;
 pub mod simulator;
 pub mod sinks;

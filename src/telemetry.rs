@@ -61,7 +61,7 @@ pub fn init_logging(format: LogFormat, level: &str) {
         .unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(ProgressAwareStderr::default)
         .with_target(false);
     let result = match format {
         LogFormat::Pretty => builder
@@ -71,4 +71,169 @@ pub fn init_logging(format: LogFormat, level: &str) {
     };
     // A subscriber already installed (tests, embedding) is fine.
     drop(result);
+}
+
+/// The progress bars currently drawn on stderr (`run --once` on a TTY).
+static PROGRESS: std::sync::RwLock<Option<indicatif::MultiProgress>> = std::sync::RwLock::new(None);
+
+/// Registers (or, with None, removes) the progress bars log lines must not tear.
+pub fn set_progress(progress: Option<indicatif::MultiProgress>) {
+    let mut slot = PROGRESS.write().unwrap_or_else(|p| p.into_inner());
+    *slot = progress;
+}
+
+/// stderr for log lines: while progress bars are drawn, each line is written
+/// with the bars hidden, so the bars are redrawn below it intact.
+#[derive(Debug, Default)]
+pub struct ProgressAwareStderr;
+
+impl std::io::Write for ProgressAwareStderr {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.write_all(buf)?;
+        Ok(buf.len())
+    }
+
+    fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
+        let progress = PROGRESS.read().unwrap_or_else(|p| p.into_inner()).clone();
+        match progress {
+            Some(multi) => multi.suspend(|| std::io::stderr().write_all(buf)),
+            None => std::io::stderr().write_all(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
+    }
+}
+
+/// Buckets of the publish latency histogram, in seconds.
+const PUBLISH_LATENCY_BUCKETS: [f64; 12] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+];
+
+/// The process-wide Prometheus recorder, installed on first use.
+///
+/// `metrics` has one global recorder per process, so every daemon of a
+/// process (tests start several) shares it; labels tell the streams apart.
+/// When some other recorder was installed first, the handle renders an
+/// empty registry and a warning says why.
+pub fn prometheus() -> metrics_exporter_prometheus::PrometheusHandle {
+    static HANDLE: std::sync::OnceLock<metrics_exporter_prometheus::PrometheusHandle> =
+        std::sync::OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let builder = metrics_exporter_prometheus::PrometheusBuilder::new();
+            let builder = match builder.set_buckets_for_metric(
+                metrics_exporter_prometheus::Matcher::Full(metric::PUBLISH_LATENCY.to_string()),
+                &PUBLISH_LATENCY_BUCKETS,
+            ) {
+                Ok(b) => b,
+                Err(e) => {
+                    tracing::warn!(error = %e, "publish latency buckets rejected; using summaries");
+                    metrics_exporter_prometheus::PrometheusBuilder::new()
+                }
+            };
+            let recorder = builder.build_recorder();
+            let handle = recorder.handle();
+            if let Err(e) = metrics::set_global_recorder(recorder) {
+                tracing::warn!(error = %e, "another metrics recorder is installed; /metrics stays empty");
+            }
+            describe_metrics();
+            handle
+        })
+        .clone()
+}
+
+/// Registers the HELP text of every metric with the installed recorder.
+fn describe_metrics() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!(
+        metric::UPSTREAM_REQUESTS,
+        "Upstream HTTP requests by tenant, resource and status"
+    );
+    describe_counter!(
+        metric::UPSTREAM_RATE_LIMITED,
+        "429 responses received, by token fingerprint"
+    );
+    describe_counter!(
+        metric::UPSTREAM_RETRIES,
+        "Upstream retries by tenant, resource and reason"
+    );
+    describe_counter!(metric::PAGES, "Pages listed by tenant and resource");
+    describe_counter!(
+        metric::RECORDS_SEEN,
+        "Records listed by tenant and resource"
+    );
+    describe_counter!(
+        metric::RECORDS_SKIPPED,
+        "Listed records skipped for lack of a usable id"
+    );
+    describe_counter!(
+        metric::EVENTS_PUBLISHED,
+        "Events acknowledged by the sink, by tenant, resource, type and op"
+    );
+    describe_histogram!(
+        metric::PUBLISH_LATENCY,
+        Unit::Seconds,
+        "Seconds from publishing a batch to its last acknowledgement"
+    );
+    describe_counter!(
+        metric::PUBLISH_FAILURES,
+        "Events the sink failed to acknowledge, by kind"
+    );
+    describe_gauge!(
+        metric::STREAM_LAG,
+        Unit::Seconds,
+        "Now minus the stream's watermark"
+    );
+    describe_gauge!(
+        metric::SECONDS_SINCE_LAST_SWEEP,
+        Unit::Seconds,
+        "Seconds since the stream's last successful sweep"
+    );
+    describe_gauge!(metric::RECORDS_KNOWN, "Records whose hash the store knows");
+    describe_gauge!(
+        metric::STREAM_PARKED,
+        "1 when the stream is parked after 401/403/404"
+    );
+    describe_counter!(metric::SWEEPS, "Sweeps by kind and outcome");
+    describe_counter!(
+        metric::DELETES_REFUSED,
+        "Full sweeps that refused to delete more than poll.max_delete_fraction"
+    );
+    describe_gauge!(metric::SINK_UP, "1 when the sink's health check passes");
+}
+
+/// Sets the per-stream gauges (lag, seconds since the last sweep, records
+/// known, parked) from the stream's stored state as of `now`.
+pub fn record_stream_gauges(
+    stream: crate::stream::StreamKey,
+    state: &crate::state::StreamState,
+    now: chrono::DateTime<chrono::Utc>,
+) {
+    let labels = [
+        ("tenant", stream.tenant.to_string()),
+        ("resource", stream.resource.as_str().to_string()),
+    ];
+    if let Some(watermark) = state.watermark {
+        metrics::gauge!(metric::STREAM_LAG, &labels).set(seconds_between(watermark, now));
+    }
+    if let Some(finished) = state.last_sweep_finished {
+        metrics::gauge!(metric::SECONDS_SINCE_LAST_SWEEP, &labels)
+            .set(seconds_between(finished, now));
+    }
+    metrics::gauge!(metric::RECORDS_KNOWN, &labels).set(state.records_known as f64);
+    metrics::gauge!(metric::STREAM_PARKED, &labels).set(if state.parked.is_some() {
+        1.0
+    } else {
+        0.0
+    });
+}
+
+/// Seconds from `earlier` to `later`, never negative (clocks may disagree).
+pub fn seconds_between(
+    earlier: chrono::DateTime<chrono::Utc>,
+    later: chrono::DateTime<chrono::Utc>,
+) -> f64 {
+    ((later - earlier).num_milliseconds() as f64 / 1000.0).max(0.0)
 }

@@ -1,0 +1,600 @@
+//! The admin HTTP API of a running daemon: liveness and readiness probes,
+//! Prometheus metrics, per-stream status and replay scheduling, so operators
+//! and the `status` / `replay` commands can work while the daemon holds the
+//! state store.
+//!
+//! Every `/v1` endpoint requires `Authorization: Bearer <admin.token>` when a
+//! token is configured; errors are JSON `{"message": ...}` (422 adds
+//! `errors: {field: [..]}`), like the upstream API's MessageError.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use chrono::{DateTime, Utc};
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde::{Deserialize, Serialize};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Secret;
+use crate::scheduler::{ReplayError, StreamHandle};
+use crate::sinks::Sink;
+use crate::state::{ReplayState, StateStore, StreamState};
+use crate::stream::{Resource, StreamKey, TenantId};
+use crate::telemetry::{self, metric};
+
+/// How long `/readyz` waits for the sink's health check.
+const HEALTH_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// One stream as `status` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StreamStatus {
+    /// The tenant.
+    pub tenant: TenantId,
+    /// The resource.
+    pub resource: Resource,
+    /// Server time of the first page of the last completed sweep.
+    pub watermark: Option<DateTime<Utc>>,
+    /// Now minus the watermark, in seconds.
+    pub lag_seconds: Option<f64>,
+    /// Records whose hash the store knows.
+    pub records_known: u64,
+    /// When the last sweep started.
+    pub last_sweep_started: Option<DateTime<Utc>>,
+    /// When the last successful sweep finished.
+    pub last_sweep_finished: Option<DateTime<Utc>>,
+    /// Seconds since the last successful sweep.
+    pub seconds_since_last_sweep: Option<f64>,
+    /// When the last successful full sweep finished.
+    pub last_full_sweep_finished: Option<DateTime<Utc>>,
+    /// The last error, one line.
+    pub last_error: Option<String>,
+    /// When the last error happened.
+    pub last_error_at: Option<DateTime<Utc>>,
+    /// Why the stream is parked, None when it runs.
+    pub parked: Option<String>,
+    /// The current or last replay.
+    pub replay: Option<ReplayState>,
+}
+
+impl StreamStatus {
+    /// The status of `stream` from its stored state, as of `now`.
+    pub fn from_state(stream: StreamKey, state: &StreamState, now: DateTime<Utc>) -> Self {
+        Self {
+            tenant: stream.tenant,
+            resource: stream.resource,
+            watermark: state.watermark,
+            lag_seconds: state.watermark.map(|w| telemetry::seconds_between(w, now)),
+            records_known: state.records_known,
+            last_sweep_started: state.last_sweep_started,
+            last_sweep_finished: state.last_sweep_finished,
+            seconds_since_last_sweep: state
+                .last_sweep_finished
+                .map(|f| telemetry::seconds_between(f, now)),
+            last_full_sweep_finished: state.last_full_sweep_finished,
+            last_error: state.last_error.clone(),
+            last_error_at: state.last_error_at,
+            parked: state.parked.clone(),
+            replay: state.replay.clone(),
+        }
+    }
+
+    /// The stream key.
+    pub fn key(&self) -> StreamKey {
+        StreamKey::new(self.tenant, self.resource)
+    }
+}
+
+/// The sink as `status` shows it (only known to a running daemon).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SinkStatus {
+    /// The sink's name.
+    pub name: String,
+    /// True when its health check passes.
+    pub healthy: bool,
+    /// The health check's error, if any.
+    pub error: Option<String>,
+}
+
+/// `GET /v1/status` and `status --json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StatusReport {
+    /// Every stream of this daemon, in key order.
+    pub streams: Vec<StreamStatus>,
+    /// The sink, when a running daemon answered.
+    pub sink: Option<SinkStatus>,
+}
+
+/// Reads the status of `streams` from a store.
+pub fn status_from_store(
+    store: &dyn StateStore,
+    streams: &[StreamKey],
+    now: DateTime<Utc>,
+) -> Result<Vec<StreamStatus>, crate::state::StateError> {
+    let mut keys = streams.to_vec();
+    keys.sort();
+    keys.iter()
+        .map(|key| {
+            store
+                .load_stream(*key)
+                .map(|state| StreamStatus::from_state(*key, &state, now))
+        })
+        .collect()
+}
+
+/// One scheduled replay.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScheduledReplay {
+    /// The replayed resource.
+    pub resource: Resource,
+    /// The replay id every event of the replay carries.
+    pub replay_id: String,
+    /// Where the replay restarts from (None = everything).
+    pub since: Option<DateTime<Utc>>,
+}
+
+/// `POST /v1/tenants/{tenant}/replay` answer (202).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplayResponse {
+    /// The tenant.
+    pub tenant: TenantId,
+    /// One entry per replayed stream.
+    pub replays: Vec<ScheduledReplay>,
+}
+
+/// Parses `--since` / the `since` field: RFC 3339 (`2024-05-01T12:00:00Z`), a
+/// date (`2024-05-01`, midnight UTC) or an age (`2h`, `30m`: that long before `now`).
+pub fn parse_since(text: &str, now: DateTime<Utc>) -> Result<DateTime<Utc>, String> {
+    let text = text.trim();
+    let parsed = if let Ok(t) = DateTime::parse_from_rfc3339(text) {
+        t.with_timezone(&Utc)
+    } else if let Ok(d) = chrono::NaiveDate::parse_from_str(text, "%Y-%m-%d") {
+        d.and_time(chrono::NaiveTime::MIN).and_utc()
+    } else if let Ok(age) = humantime::parse_duration(text) {
+        let age =
+            chrono::Duration::from_std(age).map_err(|_| format!("`{text}` is too long ago"))?;
+        now.checked_sub_signed(age)
+            .ok_or_else(|| format!("`{text}` is too long ago"))?
+    } else {
+        return Err(format!(
+            "`{text}` is not a time: use RFC 3339 (2024-05-01T12:00:00Z), a date (2024-05-01) or an age (2h)"
+        ));
+    };
+    if parsed > now {
+        return Err(format!("`{text}` is in the future"));
+    }
+    Ok(parsed)
+}
+
+/// What the admin endpoints work with.
+pub struct AdminState {
+    /// Streams of this daemon, in key order.
+    pub streams: Vec<StreamKey>,
+    /// The state store (read-only here; replays go through the stream tasks).
+    pub store: Arc<dyn StateStore>,
+    /// The sink, for readiness.
+    pub sink: Arc<dyn Sink>,
+    /// The running stream tasks.
+    pub handles: HashMap<StreamKey, StreamHandle>,
+    /// Bearer token required on `/v1` endpoints.
+    pub token: Option<Secret>,
+    /// Renders `/metrics`.
+    pub metrics: PrometheusHandle,
+}
+
+/// An API error: status plus MessageError / ValidationError JSON.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    message: String,
+    errors: Option<BTreeMap<String, Vec<String>>>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            errors: None,
+        }
+    }
+
+    fn invalid(field: &str, problem: String) -> Self {
+        Self {
+            status: StatusCode::UNPROCESSABLE_ENTITY,
+            message: format!("{field}: {problem}"),
+            errors: Some(BTreeMap::from([(field.to_string(), vec![problem])])),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut body = serde_json::json!({ "message": self.message });
+        if let Some(errors) = self.errors {
+            body["errors"] = serde_json::json!(errors);
+        }
+        let mut response = (self.status, Json(body)).into_response();
+        if self.status == StatusCode::UNAUTHORIZED {
+            response.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                header::HeaderValue::from_static("Bearer"),
+            );
+        }
+        response
+    }
+}
+
+/// The admin router.
+pub fn router(state: Arc<AdminState>) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics_endpoint))
+        .route("/v1/status", get(status))
+        .route("/v1/tenants/{tenant}/replay", post(replay))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+/// Serves the admin API on `listener` until `shutdown` is cancelled.
+pub async fn serve(
+    listener: TcpListener,
+    state: Arc<AdminState>,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown.cancelled_owned())
+        .await
+}
+
+/// The address the CLI should connect to for a configured `admin.listen`:
+/// an unspecified address (`0.0.0.0`) is reached over loopback.
+pub fn connect_address(listen: SocketAddr) -> SocketAddr {
+    if listen.ip().is_unspecified() {
+        let loopback = match listen {
+            SocketAddr::V4(_) => std::net::IpAddr::from([127, 0, 0, 1]),
+            SocketAddr::V6(_) => std::net::IpAddr::from(std::net::Ipv6Addr::LOCALHOST),
+        };
+        SocketAddr::new(loopback, listen.port())
+    } else {
+        listen
+    }
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "no such endpoint: valid ones are /healthz, /readyz, /metrics, GET /v1/status, POST /v1/tenants/{tenant}/replay",
+    )
+}
+
+fn authorize(state: &AdminState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(expected) = &state.token else {
+        return Ok(());
+    };
+    let presented = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    let Some(presented) = presented else {
+        return Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "missing bearer token: send Authorization: Bearer <admin.token>",
+        ));
+    };
+    // blake3 hashes compare in constant time.
+    if blake3::hash(presented.as_bytes()) == blake3::hash(expected.expose().as_bytes()) {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid bearer token for the admin api",
+        ))
+    }
+}
+
+async fn healthz() -> Json<serde_json::Value> {
+    Json(serde_json::json!({ "status": "ok" }))
+}
+
+/// Runs the sink's health check (bounded) and records `sink_up`.
+async fn sink_status(sink: &dyn Sink) -> SinkStatus {
+    let result = match tokio::time::timeout(HEALTH_TIMEOUT, sink.health()).await {
+        Ok(result) => result.map_err(|e| e.to_string()),
+        Err(_) => Err(format!(
+            "health check did not answer within {}",
+            humantime::format_duration(HEALTH_TIMEOUT)
+        )),
+    };
+    let healthy = result.is_ok();
+    metrics::gauge!(metric::SINK_UP, "sink" => sink.name().to_string()).set(if healthy {
+        1.0
+    } else {
+        0.0
+    });
+    SinkStatus {
+        name: sink.name().to_string(),
+        healthy,
+        error: result.err(),
+    }
+}
+
+async fn readyz(State(state): State<Arc<AdminState>>) -> Response {
+    let mut reasons = Vec::new();
+    let sink = sink_status(state.sink.as_ref()).await;
+    if let Some(error) = &sink.error {
+        reasons.push(format!("sink {}: {error}", sink.name));
+    }
+    for key in &state.streams {
+        match state.store.load_stream(*key) {
+            Ok(s) => {
+                if let Some(reason) = s.parked {
+                    reasons.push(format!("stream {key} parked: {reason}"));
+                }
+            }
+            Err(e) => reasons.push(format!("stream {key}: {e}")),
+        }
+    }
+    if reasons.is_empty() {
+        (
+            StatusCode::OK,
+            Json(serde_json::json!({ "ready": true, "reasons": [] })),
+        )
+            .into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({ "ready": false, "reasons": reasons })),
+        )
+            .into_response()
+    }
+}
+
+/// Refreshes every stream's gauges from the store.
+pub fn refresh_gauges(store: &dyn StateStore, streams: &[StreamKey]) {
+    let now = Utc::now();
+    for key in streams {
+        if let Ok(state) = store.load_stream(*key) {
+            telemetry::record_stream_gauges(*key, &state, now);
+        }
+    }
+}
+
+async fn metrics_endpoint(State(state): State<Arc<AdminState>>) -> Response {
+    refresh_gauges(state.store.as_ref(), &state.streams);
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn status(
+    State(state): State<Arc<AdminState>>,
+    headers: HeaderMap,
+) -> Result<Json<StatusReport>, ApiError> {
+    authorize(&state, &headers)?;
+    let streams = status_from_store(state.store.as_ref(), &state.streams, Utc::now())
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    let sink = sink_status(state.sink.as_ref()).await;
+    Ok(Json(StatusReport {
+        streams,
+        sink: Some(sink),
+    }))
+}
+
+/// The replay request, as JSON body or query string.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReplayBody {
+    resource: Option<String>,
+    since: Option<String>,
+}
+
+fn replay_request(query: Option<String>, body: &Bytes) -> Result<ReplayBody, ApiError> {
+    let mut request = if body.iter().all(u8::is_ascii_whitespace) {
+        ReplayBody::default()
+    } else {
+        serde_json::from_slice::<ReplayBody>(body).map_err(|e| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "request body is not a replay request ({e}): send {{\"resource\": \"vouchers\", \"since\": \"2024-05-01T00:00:00Z\"}}, both optional"
+                ),
+            )
+        })?
+    };
+    for (key, value) in url::form_urlencoded::parse(query.as_deref().unwrap_or("").as_bytes()) {
+        match key.as_ref() {
+            "resource" => request.resource = Some(value.into_owned()),
+            "since" => request.since = Some(value.into_owned()),
+            other => {
+                return Err(ApiError::invalid(
+                    other,
+                    format!("unknown parameter `{other}`: valid options are resource, since"),
+                ))
+            }
+        }
+    }
+    Ok(request)
+}
+
+async fn replay(
+    State(state): State<Arc<AdminState>>,
+    Path(tenant): Path<String>,
+    RawQuery(query): RawQuery,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<(StatusCode, Json<ReplayResponse>), ApiError> {
+    authorize(&state, &headers)?;
+    let configured: Vec<TenantId> = {
+        let mut t: Vec<TenantId> = state.streams.iter().map(|k| k.tenant).collect();
+        t.dedup();
+        t
+    };
+    let unknown = || {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!(
+                "tenant `{tenant}` is not streamed by this daemon: configured tenants are {}",
+                list(&configured)
+            ),
+        )
+    };
+    let tenant_id: TenantId = tenant.parse().map_err(|_| unknown())?;
+    let tenant_streams: Vec<StreamKey> = state
+        .streams
+        .iter()
+        .copied()
+        .filter(|k| k.tenant == tenant_id)
+        .collect();
+    if tenant_streams.is_empty() {
+        return Err(unknown());
+    }
+    let request = replay_request(query, &body)?;
+    let targets = match request.resource.as_deref() {
+        None => tenant_streams,
+        Some(name) => {
+            let resource: Resource =
+                name.parse().map_err(|e: crate::stream::UnknownResource| {
+                    ApiError::invalid("resource", e.to_string())
+                })?;
+            let key = StreamKey::new(tenant_id, resource);
+            if !tenant_streams.contains(&key) {
+                let streamed: Vec<&str> =
+                    tenant_streams.iter().map(|k| k.resource.as_str()).collect();
+                return Err(ApiError::invalid(
+                    "resource",
+                    format!(
+                        "tenant {tenant_id} does not stream {resource}: configured resources are {}",
+                        streamed.join(", ")
+                    ),
+                ));
+            }
+            vec![key]
+        }
+    };
+    let since = match request.since.as_deref() {
+        None => None,
+        Some(text) => {
+            Some(parse_since(text, Utc::now()).map_err(|e| ApiError::invalid("since", e))?)
+        }
+    };
+    let mut replays = Vec::with_capacity(targets.len());
+    for key in targets {
+        let handle = state.handles.get(&key).ok_or_else(|| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("stream {key} is not running"),
+            )
+        })?;
+        let replay_id = handle.replay(since).await.map_err(|e| match e {
+            ReplayError::Stopped(_) => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+            }
+            ReplayError::State(_) => {
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
+            }
+        })?;
+        replays.push(ScheduledReplay {
+            resource: key.resource,
+            replay_id,
+            since,
+        });
+    }
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(ReplayResponse {
+            tenant: tenant_id,
+            replays,
+        }),
+    ))
+}
+
+fn list(tenants: &[TenantId]) -> String {
+    if tenants.is_empty() {
+        return "none".to_string();
+    }
+    tenants
+        .iter()
+        .map(|t| t.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn now() -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339("2024-05-01T12:00:00Z")
+            .unwrap()
+            .with_timezone(&Utc)
+    }
+
+    #[test]
+    fn since_accepts_rfc3339_dates_and_ages() {
+        assert_eq!(
+            parse_since("2024-04-30T10:00:00+02:00", now()).unwrap(),
+            DateTime::parse_from_rfc3339("2024-04-30T08:00:00Z").unwrap()
+        );
+        assert_eq!(
+            parse_since("2024-04-30", now()).unwrap(),
+            DateTime::parse_from_rfc3339("2024-04-30T00:00:00Z").unwrap()
+        );
+        assert_eq!(
+            parse_since("2h", now()).unwrap(),
+            DateTime::parse_from_rfc3339("2024-05-01T10:00:00Z").unwrap()
+        );
+    }
+
+    #[test]
+    fn since_in_the_future_or_unreadable_is_refused_with_the_accepted_forms() {
+        assert_eq!(
+            parse_since("2030-01-01", now()).unwrap_err(),
+            "`2030-01-01` is in the future"
+        );
+        let err = parse_since("yesterday", now()).unwrap_err();
+        assert!(err.contains("RFC 3339"), "{err}");
+    }
+
+    #[test]
+    fn an_unspecified_listen_address_is_reached_over_loopback() {
+        assert_eq!(
+            connect_address("0.0.0.0:9464".parse().unwrap()),
+            "127.0.0.1:9464".parse::<SocketAddr>().unwrap()
+        );
+        assert_eq!(
+            connect_address("10.1.2.3:9464".parse().unwrap()),
+            "10.1.2.3:9464".parse::<SocketAddr>().unwrap()
+        );
+    }
+
+    #[test]
+    fn a_replay_request_reads_the_body_and_the_query() {
+        let r = replay_request(
+            Some("since=2h".into()),
+            &Bytes::from_static(b"{\"resource\":\"vouchers\"}"),
+        )
+        .unwrap();
+        assert_eq!(r.resource.as_deref(), Some("vouchers"));
+        assert_eq!(r.since.as_deref(), Some("2h"));
+        let err = replay_request(None, &Bytes::from_static(b"{\"resourse\":1}")).unwrap_err();
+        assert_eq!(err.status, StatusCode::BAD_REQUEST);
+        let err = replay_request(Some("tenant=3".into()), &Bytes::new()).unwrap_err();
+        assert_eq!(err.status, StatusCode::UNPROCESSABLE_ENTITY);
+    }
+}

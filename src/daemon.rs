@@ -1,0 +1,484 @@
+//! Wires a daemon together from a [`Config`]: the state store, one upstream
+//! client per token with the token's shared rate budget, the sink, one
+//! stream runner per owned stream, the scheduler, the admin API and the gauge
+//! refresher; and takes them down in order on shutdown.
+//!
+//! `run` is a library call ([`Daemon::start`] returns a [`DaemonHandle`]) so
+//! tests drive whole daemons in-process; `run --once` is [`run_once`].
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::task::{JoinHandle, JoinSet};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn, Instrument};
+
+use crate::admin::{self, AdminState};
+use crate::config::{Config, SinkKind};
+use crate::diff::IgnoreKeys;
+use crate::scheduler::{Scheduler, StepOutcome, StreamRunner, Timing};
+use crate::sinks::Sink;
+use crate::state::{SledStore, StateError, StateStore};
+use crate::stream::StreamKey;
+use crate::sweep::{Progress, SweepSettings, Sweeper};
+use crate::upstream::client::{ClientOptions, SecretToken, UpstreamClient};
+use crate::upstream::ratelimit::BudgetRegistry;
+
+/// How often the per-stream gauges are refreshed from the store.
+const GAUGE_REFRESH: Duration = Duration::from_secs(5);
+
+/// How long the admin server may take to close its connections at shutdown.
+const ADMIN_STOP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why a daemon could not start or stopped abnormally; one line each.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// The configuration cannot work (exit code 2).
+    #[error("{0}")]
+    Config(String),
+    /// The state store failed.
+    #[error("{0}")]
+    State(#[from] StateError),
+    /// The sink could not start.
+    #[error("{message}")]
+    Sink {
+        /// The configured sink kind.
+        kind: &'static str,
+        /// What went wrong.
+        message: String,
+    },
+    /// The admin API could not listen or failed.
+    #[error("admin api on {listen}: {message}")]
+    Admin {
+        /// The configured listen address.
+        listen: String,
+        /// What went wrong.
+        message: String,
+    },
+}
+
+impl DaemonError {
+    /// True for configuration problems (exit code 2 rather than 1).
+    pub fn is_config(&self) -> bool {
+        matches!(self, DaemonError::Config(_))
+    }
+}
+
+/// The sweep settings `[poll]` asks for.
+pub fn sweep_settings(config: &Config) -> SweepSettings {
+    SweepSettings {
+        lookback: config.poll.lookback,
+        include_relations: config.poll.include_relations,
+        ignore_keys: IgnoreKeys::new(&config.poll.ignore_keys),
+        max_delete_fraction: config.poll.max_delete_fraction,
+        ..SweepSettings::default()
+    }
+}
+
+/// The upstream client options `[upstream]` asks for.
+pub fn client_options(config: &Config) -> Result<ClientOptions, DaemonError> {
+    let raw = config
+        .upstream
+        .base_url
+        .as_deref()
+        .ok_or_else(|| DaemonError::Config("upstream.base_url: required".into()))?;
+    let base_url = url::Url::parse(raw)
+        .map_err(|e| DaemonError::Config(format!("upstream.base_url: not a valid URL ({e})")))?;
+    Ok(ClientOptions {
+        base_url,
+        timeout: config.upstream.timeout,
+        max_attempts: config.upstream.max_attempts,
+        retry_after_max: config.upstream.retry_after_max,
+        ..ClientOptions::default()
+    })
+}
+
+/// One upstream client per distinct token, each spending its token's shared budget.
+fn clients_for(
+    config: &Config,
+    streams: &[StreamKey],
+) -> Result<HashMap<StreamKey, UpstreamClient>, DaemonError> {
+    let options = client_options(config)?;
+    let budgets = BudgetRegistry::new();
+    let mut by_token: HashMap<[u8; 32], UpstreamClient> = HashMap::new();
+    let mut clients = HashMap::with_capacity(streams.len());
+    for key in streams {
+        let secret = config
+            .token_for(key.tenant)
+            .map_err(|e| DaemonError::Config(e.to_string()))?;
+        let token = SecretToken::new(secret.expose());
+        let id = *blake3::hash(token.expose().as_bytes()).as_bytes();
+        let client = match by_token.get(&id) {
+            Some(client) => client.clone(),
+            None => {
+                let budget = budgets.budget_for(&token, config.upstream.requests_per_minute);
+                let client = UpstreamClient::new(options.clone(), token, budget)
+                    .map_err(|e| DaemonError::Config(format!("upstream: {e}")))?;
+                by_token.insert(id, client.clone());
+                client
+            }
+        };
+        clients.insert(*key, client);
+    }
+    Ok(clients)
+}
+
+/// Builds the sink `[sink]` asks for.
+pub async fn build_sink(
+    config: &Config,
+    streams: &[StreamKey],
+) -> Result<Arc<dyn Sink>, DaemonError> {
+    let kind = config.sink.kind;
+    let fail = |message: String| DaemonError::Sink {
+        kind: kind.as_str(),
+        message,
+    };
+    let sink: Arc<dyn Sink> = match kind {
+        SinkKind::Nats => {
+            let cfg = config.sink.nats.clone().unwrap_or_default();
+            Arc::new(
+                crate::sinks::nats::NatsSink::connect(&cfg)
+                    .await
+                    .map_err(|e| fail(e.to_string()))?,
+            )
+        }
+        SinkKind::Kafka => {
+            let cfg = config.sink.kafka.clone().ok_or_else(|| {
+                DaemonError::Config(
+                    "sink.kafka.brokers: required when sink.kind = \"kafka\"".into(),
+                )
+            })?;
+            Arc::new(
+                crate::sinks::kafka::KafkaSink::new(&cfg, streams)
+                    .await
+                    .map_err(|e| fail(e.to_string()))?,
+            )
+        }
+        SinkKind::File => {
+            let cfg = config.sink.file.clone().unwrap_or_default();
+            Arc::new(crate::sinks::file::FileSink::open(&cfg).map_err(|e| fail(e.to_string()))?)
+        }
+        SinkKind::Stdout => Arc::new(crate::sinks::stdout::StdoutSink::new()),
+    };
+    Ok(sink)
+}
+
+/// The streams this process owns (its shard's tenants), in key order.
+pub fn owned_streams(config: &Config) -> Result<Vec<StreamKey>, DaemonError> {
+    let shard = config
+        .shard
+        .resolve()
+        .map_err(|e| DaemonError::Config(e.to_string()))?;
+    let mut streams = config.streams(&shard);
+    streams.sort();
+    Ok(streams)
+}
+
+/// Everything a daemon or `run --once` sweeps with.
+pub struct Components {
+    /// The streams this process owns, in key order.
+    pub streams: Vec<StreamKey>,
+    /// The state store.
+    pub store: Arc<dyn StateStore>,
+    /// The sink.
+    pub sink: Arc<dyn Sink>,
+    /// One runner per stream, in key order.
+    pub runners: Vec<StreamRunner>,
+}
+
+impl Components {
+    /// Opens the store, builds the clients and the sink (unless `sink` is
+    /// given), and one runner per owned stream.
+    pub async fn build(
+        config: &Config,
+        sink: Option<Arc<dyn Sink>>,
+        progress: Option<Progress>,
+    ) -> Result<Self, DaemonError> {
+        let streams = owned_streams(config)?;
+        if streams.is_empty() {
+            warn!("this shard owns none of the configured tenants; nothing to sweep");
+        }
+        let clients = clients_for(config, &streams)?;
+        let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&config.state.path)?);
+        let sink = match sink {
+            Some(sink) => sink,
+            None => build_sink(config, &streams).await?,
+        };
+        let settings = Arc::new(sweep_settings(config));
+        let timing = Timing::from_poll(&config.poll);
+        let runners = streams
+            .iter()
+            .filter_map(|key| {
+                let client = clients.get(key)?.clone();
+                Some(StreamRunner::new(
+                    Sweeper {
+                        stream: *key,
+                        client,
+                        store: store.clone(),
+                        sink: sink.clone(),
+                        settings: settings.clone(),
+                        progress: progress.clone(),
+                        shutdown: CancellationToken::new(),
+                    },
+                    timing,
+                ))
+            })
+            .collect();
+        Ok(Self {
+            streams,
+            store,
+            sink,
+            runners,
+        })
+    }
+
+    /// Makes the store durable and flushes the sink; logs what fails.
+    pub async fn flush(&self) {
+        if let Err(e) = self.store.flush() {
+            warn!(error = %e, "state store flush failed");
+        }
+        if let Err(e) = self.sink.flush().await {
+            warn!(sink = self.sink.name(), error = %e, "sink flush failed");
+        }
+    }
+}
+
+/// A running daemon.
+pub struct DaemonHandle {
+    admin_addr: SocketAddr,
+    streams: Vec<StreamKey>,
+    stop: CancellationToken,
+    task: JoinHandle<Result<(), DaemonError>>,
+}
+
+impl DaemonHandle {
+    /// The address the admin API listens on (the real port when configured with port 0).
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_addr
+    }
+
+    /// `http://ADDR` of the admin API, reachable from this machine.
+    pub fn admin_url(&self) -> String {
+        format!("http://{}", admin::connect_address(self.admin_addr))
+    }
+
+    /// The streams this daemon sweeps.
+    pub fn streams(&self) -> &[StreamKey] {
+        &self.streams
+    }
+
+    /// Asks the daemon to stop (as SIGTERM would); [`DaemonHandle::wait`] for it.
+    pub fn shutdown(&self) {
+        self.stop.cancel();
+    }
+
+    /// Waits until the daemon stopped: streams done, store and sink flushed, admin closed.
+    pub async fn wait(self) -> Result<(), DaemonError> {
+        match self.task.await {
+            Ok(result) => result,
+            Err(e) => Err(DaemonError::Admin {
+                listen: self.admin_addr.to_string(),
+                message: format!("daemon task failed: {e}"),
+            }),
+        }
+    }
+
+    /// Stops the daemon and waits for it.
+    pub async fn stop(self) -> Result<(), DaemonError> {
+        self.shutdown();
+        self.wait().await
+    }
+}
+
+/// Starts daemons.
+pub struct Daemon;
+
+impl Daemon {
+    /// Starts a daemon from `config`; it runs until `shutdown` completes or
+    /// [`DaemonHandle::shutdown`] is called.
+    pub async fn start(
+        config: Config,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<DaemonHandle, DaemonError> {
+        Self::start_with_sink(config, None, shutdown).await
+    }
+
+    /// Like [`Daemon::start`], with a ready-made sink instead of `[sink]` (tests).
+    pub async fn start_with_sink(
+        config: Config,
+        sink: Option<Arc<dyn Sink>>,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<DaemonHandle, DaemonError> {
+        let metrics = crate::telemetry::prometheus();
+        let listen: SocketAddr = config.admin.listen.parse().map_err(|_| {
+            DaemonError::Config(format!(
+                "admin.listen: `{}` is not an address like 127.0.0.1:9464",
+                config.admin.listen
+            ))
+        })?;
+        if !listen.ip().is_loopback() && config.admin.token.is_none() {
+            return Err(DaemonError::Config(format!(
+                "admin.token: required when admin.listen ({listen}) is not a loopback address"
+            )));
+        }
+        let components = Components::build(&config, sink, None).await?;
+        let listener =
+            tokio::net::TcpListener::bind(listen)
+                .await
+                .map_err(|e| DaemonError::Admin {
+                    listen: config.admin.listen.clone(),
+                    message: format!("cannot listen: {e}"),
+                })?;
+        let admin_addr = listener.local_addr().map_err(|e| DaemonError::Admin {
+            listen: config.admin.listen.clone(),
+            message: e.to_string(),
+        })?;
+
+        let streams_token = CancellationToken::new();
+        let Components {
+            streams,
+            store,
+            sink,
+            runners,
+        } = components;
+        let scheduler = Scheduler::start(runners, streams_token.clone());
+        let admin_state = Arc::new(AdminState {
+            streams: streams.clone(),
+            store: store.clone(),
+            sink: sink.clone(),
+            handles: scheduler.handles(),
+            token: config.admin.token.clone(),
+            metrics: metrics.clone(),
+        });
+        let admin_stop = CancellationToken::new();
+        let mut admin_task = tokio::spawn(
+            admin::serve(listener, admin_state, admin_stop.clone())
+                .instrument(tracing::info_span!("admin")),
+        );
+        let gauges = tokio::spawn(refresh_gauges_every(
+            GAUGE_REFRESH,
+            store.clone(),
+            streams.clone(),
+            metrics,
+        ));
+        info!(admin = %admin_addr, streams = streams.len(), sink = sink.name(),
+            state = %config.state.path.display(), "daemon started");
+
+        let stop = CancellationToken::new();
+        let stop_signal = stop.clone();
+        let grace = config.poll.shutdown_timeout;
+        let listen_text = config.admin.listen.clone();
+        let task = tokio::spawn(async move {
+            let mut result = Ok(());
+            tokio::select! {
+                _ = shutdown => info!("shutdown requested"),
+                _ = stop_signal.cancelled() => info!("shutdown requested"),
+                served = &mut admin_task => {
+                    let message = match served {
+                        Ok(Ok(())) => "stopped unexpectedly".to_string(),
+                        Ok(Err(e)) => e.to_string(),
+                        Err(e) => format!("task failed: {e}"),
+                    };
+                    warn!(error = %message, "admin api failed; shutting down");
+                    result = Err(DaemonError::Admin { listen: listen_text, message });
+                }
+            }
+            info!(grace = %humantime::format_duration(grace),
+                "stopping streams: pages in flight finish, nothing new is requested");
+            let report = scheduler.stop(grace).await;
+            gauges.abort();
+            let _ = gauges.await;
+            if let Err(e) = store.flush() {
+                warn!(error = %e, "state store flush failed");
+            }
+            if let Err(e) = sink.flush().await {
+                warn!(sink = sink.name(), error = %e, "sink flush failed");
+            }
+            admin_stop.cancel();
+            if !admin_task.is_finished() {
+                let abort = admin_task.abort_handle();
+                if tokio::time::timeout(ADMIN_STOP_TIMEOUT, &mut admin_task)
+                    .await
+                    .is_err()
+                {
+                    abort.abort();
+                    let _ = admin_task.await;
+                }
+            }
+            drop(sink);
+            drop(store);
+            info!(
+                finished = report.finished,
+                aborted = report.aborted,
+                "daemon stopped"
+            );
+            result
+        });
+        Ok(DaemonHandle {
+            admin_addr,
+            streams,
+            stop,
+            task,
+        })
+    }
+}
+
+/// Refreshes every stream's gauges (and the recorder's upkeep) every `period`.
+async fn refresh_gauges_every(
+    period: Duration,
+    store: Arc<dyn StateStore>,
+    streams: Vec<StreamKey>,
+    metrics: metrics_exporter_prometheus::PrometheusHandle,
+) {
+    let mut ticker = tokio::time::interval(period);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        admin::refresh_gauges(store.as_ref(), &streams);
+        metrics.run_upkeep();
+    }
+}
+
+/// `run --once`: sweeps every owned stream once, concurrently (full where due
+/// or never synced), and returns each stream's outcome in key order.
+/// `shutdown` interrupts the sweeps after their pages in flight.
+pub async fn run_once(
+    config: &Config,
+    progress: Option<Progress>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<Vec<(StreamKey, StepOutcome)>, DaemonError> {
+    crate::telemetry::prometheus();
+    let components = Components::build(config, None, progress).await?;
+    let cancel = CancellationToken::new();
+    let mut tasks = JoinSet::new();
+    for runner in &components.runners {
+        let runner = runner.clone();
+        let token = cancel.clone();
+        let key = runner.key();
+        let span = tracing::info_span!("stream", tenant = key.tenant, resource = %key.resource);
+        tasks.spawn(async move { (key, runner.run_once(token).await) }.instrument(span));
+    }
+    let mut outcomes = Vec::with_capacity(components.runners.len());
+    tokio::pin!(shutdown);
+    let mut interrupted = false;
+    loop {
+        tokio::select! {
+            _ = &mut shutdown, if !interrupted => {
+                info!("shutdown requested: sweeps stop after their pages in flight");
+                interrupted = true;
+                cancel.cancel();
+            }
+            next = tasks.join_next() => match next {
+                None => break,
+                Some(Ok(outcome)) => outcomes.push(outcome),
+                Some(Err(e)) => warn!(error = %e, "stream task failed"),
+            }
+        }
+    }
+    components.flush().await;
+    outcomes.sort_by_key(|(key, _)| *key);
+    Ok(outcomes)
+}

@@ -1,0 +1,466 @@
+//! Keeps every stream sweeping on its own timer: one task per stream,
+//! jittered incremental sweeps every `poll.interval`, a full sweep when the
+//! last one is older than `poll.full_resync_interval`, parking on 401/403/404
+//! with a slower re-check, replay requests that wake the stream at once, and a
+//! bounded graceful stop.
+//!
+//! The loop ([`StreamRunner::run`]) is separated from its single step
+//! ([`StreamRunner::run_once`]) so tests and `run --once` drive the step
+//! directly; the timing decisions ([`due_kind`], [`next_delay`]) are pure.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn, Instrument};
+
+use crate::config::PollConfig;
+use crate::state::{StateError, StreamState};
+use crate::stream::StreamKey;
+use crate::sweep::{schedule_replay, SweepError, SweepKind, SweepReport, Sweeper};
+use crate::telemetry;
+
+/// Replay requests a stream task queues before callers wait.
+const REPLAY_QUEUE: usize = 8;
+
+/// When streams sweep, derived from `[poll]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timing {
+    /// Period of incremental sweeps.
+    pub interval: Duration,
+    /// Age of the last full sweep after which the next sweep is full.
+    pub full_resync_interval: Duration,
+    /// Period of re-checks of a parked stream.
+    pub park_recheck_interval: Duration,
+    /// Random spread of every wait, as a fraction of it.
+    pub jitter: f64,
+}
+
+impl Timing {
+    /// The timing `[poll]` asks for.
+    pub fn from_poll(poll: &PollConfig) -> Self {
+        Self {
+            interval: poll.interval,
+            full_resync_interval: poll.full_resync_interval,
+            park_recheck_interval: poll.park_recheck_interval,
+            jitter: poll.jitter,
+        }
+    }
+}
+
+/// What one step of a stream did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StepOutcome {
+    /// The sweep completed.
+    Swept(SweepReport),
+    /// The upstream refused access (401/403/404); the stream is parked with this reason.
+    Parked(String),
+    /// The sweep failed for another reason (one line); the next sweep tries again.
+    Failed(String),
+    /// The sweep stopped early because it was cancelled (shutdown or a replay request).
+    Interrupted,
+}
+
+impl StepOutcome {
+    /// True when the sweep completed.
+    pub fn is_ok(&self) -> bool {
+        matches!(self, StepOutcome::Swept(_))
+    }
+
+    /// The failure as one line, None for a completed sweep.
+    pub fn error(&self) -> Option<String> {
+        match self {
+            StepOutcome::Swept(_) => None,
+            StepOutcome::Parked(reason) => Some(format!("parked: {reason}")),
+            StepOutcome::Failed(error) => Some(error.clone()),
+            StepOutcome::Interrupted => Some("sweep interrupted by shutdown".to_string()),
+        }
+    }
+}
+
+/// Which sweep is due: full when the last full sweep finished longer than
+/// `full_resync_interval` ago or never, incremental otherwise. (A stream that
+/// never synced or has a replay pending gets its snapshot sweep whatever
+/// kind is asked; the sweep itself decides that.)
+pub fn due_kind(
+    state: &StreamState,
+    now: DateTime<Utc>,
+    full_resync_interval: Duration,
+) -> SweepKind {
+    let Some(finished) = state.last_full_sweep_finished else {
+        return SweepKind::Full;
+    };
+    let age = (now - finished).to_std().unwrap_or(Duration::ZERO);
+    if age >= full_resync_interval {
+        SweepKind::Full
+    } else {
+        SweepKind::Incremental
+    }
+}
+
+/// The wait before a stream's next step. `unit` is a random number in
+/// `[0, 1)` spreading the wait by `timing.jitter` either way.
+pub fn next_delay(outcome: &StepOutcome, timing: &Timing, unit: f64) -> Duration {
+    match outcome {
+        StepOutcome::Swept(_) | StepOutcome::Failed(_) => jittered(timing.interval, timing, unit),
+        StepOutcome::Parked(_) => jittered(timing.park_recheck_interval, timing, unit),
+        StepOutcome::Interrupted => Duration::ZERO,
+    }
+}
+
+fn jittered(base: Duration, timing: &Timing, unit: f64) -> Duration {
+    let factor = 1.0 + timing.jitter.clamp(0.0, 1.0) * (2.0 * unit.clamp(0.0, 1.0) - 1.0);
+    base.mul_f64(factor.max(0.0))
+}
+
+/// Why a replay could not be scheduled.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    /// The stream's task is gone (the daemon is stopping).
+    #[error("stream {0} is not running (the daemon is shutting down)")]
+    Stopped(StreamKey),
+    /// The state store failed.
+    #[error("{0}")]
+    State(#[from] StateError),
+}
+
+/// A replay request sent to a stream's task.
+#[derive(Debug)]
+struct ReplayRequest {
+    since: Option<DateTime<Utc>>,
+    reply: oneshot::Sender<Result<String, StateError>>,
+}
+
+/// Talks to one running stream task; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct StreamHandle {
+    key: StreamKey,
+    requests: mpsc::Sender<ReplayRequest>,
+}
+
+impl StreamHandle {
+    /// The stream this handle controls.
+    pub fn key(&self) -> StreamKey {
+        self.key
+    }
+
+    /// Schedules a replay and wakes the stream to sweep now; returns the replay id.
+    ///
+    /// A sweep in flight stops after its current page (acknowledged and
+    /// committed) so the replay starts within one page.
+    pub async fn replay(&self, since: Option<DateTime<Utc>>) -> Result<String, ReplayError> {
+        let (reply, answer) = oneshot::channel();
+        self.requests
+            .send(ReplayRequest { since, reply })
+            .await
+            .map_err(|_| ReplayError::Stopped(self.key))?;
+        match answer.await {
+            Ok(result) => Ok(result?),
+            Err(_) => Err(ReplayError::Stopped(self.key)),
+        }
+    }
+}
+
+/// One stream's sweeps: the single step and the loop around it.
+#[derive(Clone)]
+pub struct StreamRunner {
+    sweeper: Sweeper,
+    timing: Timing,
+}
+
+impl StreamRunner {
+    /// A runner sweeping with `sweeper` (its `shutdown` token is replaced per step).
+    pub fn new(sweeper: Sweeper, timing: Timing) -> Self {
+        Self { sweeper, timing }
+    }
+
+    /// The stream this runner sweeps.
+    pub fn key(&self) -> StreamKey {
+        self.sweeper.stream
+    }
+
+    /// The sweeper the runner uses (tests inspect its store and sink).
+    pub fn sweeper(&self) -> &Sweeper {
+        &self.sweeper
+    }
+
+    /// One step: sweeps once (full when due), parks the stream on 401/403/404,
+    /// and refreshes the stream's gauges. `cancel` stops the sweep after the
+    /// page in flight.
+    pub async fn run_once(&self, cancel: CancellationToken) -> StepOutcome {
+        let key = self.key();
+        let store = &self.sweeper.store;
+        let state = match store.load_stream(key) {
+            Ok(state) => state,
+            Err(e) => {
+                warn!(tenant = key.tenant, resource = %key.resource, error = %e, "cannot read the stream state");
+                return StepOutcome::Failed(e.to_string());
+            }
+        };
+        let was_parked = state.parked.is_some();
+        let kind = due_kind(&state, Utc::now(), self.timing.full_resync_interval);
+        let sweeper = Sweeper {
+            shutdown: cancel,
+            ..self.sweeper.clone()
+        };
+        let outcome = match sweeper.run(kind).await {
+            Ok(report) => {
+                if was_parked {
+                    info!(tenant = key.tenant, resource = %key.resource, "stream unparked: the upstream answers again");
+                }
+                StepOutcome::Swept(report)
+            }
+            Err(SweepError::Interrupted) => StepOutcome::Interrupted,
+            Err(e) if e.is_parking() => {
+                let reason = e.to_string();
+                if let Err(e) = self.park(&reason) {
+                    warn!(tenant = key.tenant, resource = %key.resource, error = %e, "cannot save the parked state");
+                }
+                warn!(tenant = key.tenant, resource = %key.resource, error = %reason,
+                    recheck_in = %humantime::format_duration(self.timing.park_recheck_interval),
+                    "stream parked; the other streams go on");
+                StepOutcome::Parked(reason)
+            }
+            Err(e) => StepOutcome::Failed(e.to_string()),
+        };
+        self.refresh_gauges();
+        outcome
+    }
+
+    /// Persists `parked = reason` in the stream state.
+    fn park(&self, reason: &str) -> Result<(), StateError> {
+        let store = &self.sweeper.store;
+        let mut state = store.load_stream(self.key())?;
+        state.parked = Some(reason.to_string());
+        store.save_stream(self.key(), &state)?;
+        store.flush()
+    }
+
+    /// Sets the stream's gauges from its stored state.
+    pub fn refresh_gauges(&self) {
+        if let Ok(state) = self.sweeper.store.load_stream(self.key()) {
+            telemetry::record_stream_gauges(self.key(), &state, Utc::now());
+        }
+    }
+
+    /// Schedules a replay between two sweeps (the task is the stream's only writer).
+    fn apply_replay(&self, request: ReplayRequest) {
+        let key = self.key();
+        let result = schedule_replay(self.sweeper.store.as_ref(), key, request.since);
+        if let Err(e) = &result {
+            warn!(tenant = key.tenant, resource = %key.resource, error = %e, "cannot schedule the replay");
+        }
+        // The requester may have gone away; the replay is scheduled either way.
+        let _ = request.reply.send(result);
+        self.refresh_gauges();
+    }
+
+    /// The stream's loop until `shutdown`: sweep, wait (or wake for a replay), repeat.
+    async fn run(self, mut requests: mpsc::Receiver<ReplayRequest>, shutdown: CancellationToken) {
+        let mut delay = Duration::ZERO;
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return,
+                Some(request) = requests.recv() => {
+                    self.apply_replay(request);
+                    while let Ok(request) = requests.try_recv() {
+                        self.apply_replay(request);
+                    }
+                }
+                _ = tokio::time::sleep(delay) => {}
+            }
+
+            let step_cancel = shutdown.child_token();
+            let step = self.run_once(step_cancel.clone());
+            tokio::pin!(step);
+            let mut waiting: Vec<ReplayRequest> = Vec::new();
+            let outcome = loop {
+                tokio::select! {
+                    outcome = &mut step => break outcome,
+                    Some(request) = requests.recv() => {
+                        if waiting.is_empty() {
+                            info!(tenant = self.key().tenant, resource = %self.key().resource,
+                                "replay requested: stopping the current sweep after its page in flight");
+                            step_cancel.cancel();
+                        }
+                        waiting.push(request);
+                    }
+                }
+            };
+            if shutdown.is_cancelled() {
+                for request in waiting {
+                    self.apply_replay(request);
+                }
+                return;
+            }
+            if !waiting.is_empty() {
+                for request in waiting {
+                    self.apply_replay(request);
+                }
+                delay = Duration::ZERO;
+                continue;
+            }
+            if let StepOutcome::Failed(error) = &outcome {
+                warn!(tenant = self.key().tenant, resource = %self.key().resource, error = %error,
+                    "sweep failed; trying again at the next interval");
+            }
+            delay = next_delay(&outcome, &self.timing, rand::random::<f64>());
+        }
+    }
+}
+
+/// What a stop found.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StopReport {
+    /// Stream tasks that finished within the bound.
+    pub finished: usize,
+    /// Stream tasks aborted after the bound.
+    pub aborted: usize,
+}
+
+/// The running stream tasks.
+pub struct Scheduler {
+    tasks: Vec<(StreamKey, JoinHandle<()>)>,
+    handles: HashMap<StreamKey, StreamHandle>,
+    shutdown: CancellationToken,
+}
+
+impl Scheduler {
+    /// Spawns one task per runner, each in a `stream` span carrying its tenant and resource.
+    pub fn start(runners: Vec<StreamRunner>, shutdown: CancellationToken) -> Self {
+        let mut tasks = Vec::with_capacity(runners.len());
+        let mut handles = HashMap::with_capacity(runners.len());
+        for runner in runners {
+            let key = runner.key();
+            let (tx, rx) = mpsc::channel(REPLAY_QUEUE);
+            handles.insert(key, StreamHandle { key, requests: tx });
+            let span = tracing::info_span!("stream", tenant = key.tenant, resource = %key.resource);
+            let task = tokio::spawn(runner.run(rx, shutdown.clone()).instrument(span));
+            tasks.push((key, task));
+        }
+        Self {
+            tasks,
+            handles,
+            shutdown,
+        }
+    }
+
+    /// A handle per running stream.
+    pub fn handles(&self) -> HashMap<StreamKey, StreamHandle> {
+        self.handles.clone()
+    }
+
+    /// Cancels every stream (no new page; the page in flight is acknowledged
+    /// and committed), waits up to `grace` for the tasks, then aborts the rest.
+    ///
+    /// Aborting loses nothing: an unfinished page was never committed, so the
+    /// next run lists it again.
+    pub async fn stop(self, grace: Duration) -> StopReport {
+        self.shutdown.cancel();
+        drop(self.handles);
+        let deadline = tokio::time::Instant::now() + grace;
+        let mut report = StopReport::default();
+        for (key, mut task) in self.tasks {
+            match tokio::time::timeout_at(deadline, &mut task).await {
+                Ok(Ok(())) => report.finished += 1,
+                Ok(Err(e)) => {
+                    warn!(tenant = key.tenant, resource = %key.resource, error = %e, "stream task ended abnormally");
+                    report.finished += 1;
+                }
+                Err(_) => {
+                    warn!(tenant = key.tenant, resource = %key.resource,
+                        grace = %humantime::format_duration(grace),
+                        "stream did not stop in time; aborting it (its uncommitted page is listed again next run)");
+                    task.abort();
+                    let _ = task.await;
+                    report.aborted += 1;
+                }
+            }
+        }
+        report
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn timing() -> Timing {
+        Timing {
+            interval: Duration::from_secs(30),
+            full_resync_interval: Duration::from_secs(3600),
+            park_recheck_interval: Duration::from_secs(300),
+            jitter: 0.1,
+        }
+    }
+
+    fn at(secs: i64) -> DateTime<Utc> {
+        DateTime::from_timestamp(1_700_000_000 + secs, 0).unwrap()
+    }
+
+    #[test]
+    fn a_stream_without_a_finished_full_sweep_gets_a_full_sweep() {
+        let state = StreamState::default();
+        assert_eq!(
+            due_kind(&state, at(0), Duration::from_secs(3600)),
+            SweepKind::Full
+        );
+    }
+
+    #[test]
+    fn a_full_sweep_is_due_once_the_last_one_is_older_than_the_resync_interval() {
+        let state = StreamState {
+            last_full_sweep_finished: Some(at(0)),
+            ..StreamState::default()
+        };
+        let hour = Duration::from_secs(3600);
+        assert_eq!(due_kind(&state, at(3599), hour), SweepKind::Incremental);
+        assert_eq!(due_kind(&state, at(3600), hour), SweepKind::Full);
+        // A clock that went backwards does not force a full sweep.
+        assert_eq!(due_kind(&state, at(-10), hour), SweepKind::Incremental);
+    }
+
+    #[test]
+    fn waits_are_spread_by_the_jitter_either_way() {
+        let t = timing();
+        let ok = StepOutcome::Swept(SweepReport::default());
+        assert_eq!(next_delay(&ok, &t, 0.0), Duration::from_secs(27));
+        assert_eq!(next_delay(&ok, &t, 0.5), Duration::from_secs(30));
+        let top = next_delay(&ok, &t, 0.999_999);
+        assert!(top > Duration::from_millis(32_999) && top <= Duration::from_secs(33));
+    }
+
+    #[test]
+    fn a_parked_stream_waits_the_recheck_interval_and_a_failed_one_the_poll_interval() {
+        let t = Timing {
+            jitter: 0.0,
+            ..timing()
+        };
+        assert_eq!(
+            next_delay(&StepOutcome::Parked("403".into()), &t, 0.3),
+            Duration::from_secs(300)
+        );
+        assert_eq!(
+            next_delay(&StepOutcome::Failed("503".into()), &t, 0.3),
+            Duration::from_secs(30)
+        );
+        assert_eq!(
+            next_delay(&StepOutcome::Interrupted, &t, 0.3),
+            Duration::ZERO
+        );
+    }
+
+    #[test]
+    fn only_a_completed_sweep_counts_as_ok() {
+        assert!(StepOutcome::Swept(SweepReport::default()).is_ok());
+        assert_eq!(
+            StepOutcome::Parked("upstream returned 403".into()).error(),
+            Some("parked: upstream returned 403".to_string())
+        );
+        assert!(!StepOutcome::Interrupted.is_ok());
+    }
+}
