@@ -1,0 +1,353 @@
+//! The daemon end to end, in-process: the simulator over loopback HTTP, a
+//! real sled store and the file sink in temp dirs, the admin API on a free
+//! port. Metrics are process-wide, so every test here uses its own tenants.
+
+mod common;
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::Duration;
+
+use serde_json::Value;
+use voucher_cdc::admin::StatusReport;
+use voucher_cdc::simulator::{Permission, Simulator, SimulatorOptions};
+use voucher_cdc::stream::Resource;
+
+use common::{daemon_toml, spawn_daemon, spawn_simulator_with, wait_until};
+
+const V: Resource = Resource::Vouchers;
+const C: Resource = Resource::Categories;
+const WAIT: Duration = Duration::from_secs(30);
+
+/// (tenant, resource, record id).
+type Key = (u64, String, i64);
+
+/// What a downstream consumer holds after applying every record event in order.
+fn downstream(events: &[Value], tenants: &[u64]) -> BTreeMap<Key, Value> {
+    let mut view = BTreeMap::new();
+    for e in events {
+        let ty = e["type"].as_str().unwrap();
+        if ty.starts_with("replay.") {
+            continue;
+        }
+        let tenant = e["tenant"].as_u64().unwrap();
+        if !tenants.contains(&tenant) {
+            continue;
+        }
+        let resource = e["source"]
+            .as_str()
+            .unwrap()
+            .rsplit('/')
+            .next()
+            .unwrap()
+            .to_string();
+        let id: i64 = e["subject"].as_str().unwrap().parse().unwrap();
+        if e["op"] == "delete" {
+            view.remove(&(tenant, resource, id));
+        } else {
+            view.insert((tenant, resource, id), e["data"].clone());
+        }
+    }
+    view
+}
+
+/// What the simulator holds.
+fn upstream(sim: &Simulator, tenants: &[u64]) -> BTreeMap<Key, Value> {
+    let mut view = BTreeMap::new();
+    for &tenant in tenants {
+        for resource in [V, C] {
+            for id in sim.record_ids(tenant, resource) {
+                let json = sim.record_json(tenant, resource, id, true).unwrap();
+                view.insert(
+                    (tenant, resource.as_str().to_string(), id),
+                    serde_json::from_str(&json).unwrap(),
+                );
+            }
+        }
+    }
+    view
+}
+
+fn assert_ids_unique(events: &[Value]) {
+    let mut seen = HashSet::new();
+    for e in events {
+        let id = e["id"].as_str().unwrap();
+        assert!(
+            seen.insert(id.to_string()),
+            "event id {id} published twice: {e}"
+        );
+    }
+}
+
+async fn spawn_sim(tenants: u64) -> Simulator {
+    spawn_simulator_with(SimulatorOptions {
+        tenants,
+        vouchers: 20,
+        categories: 5,
+        rate_limit: 0,
+        ..SimulatorOptions::default()
+    })
+    .await
+}
+
+async fn get_json(url: &str) -> (u16, Value) {
+    let response = reqwest::get(url).await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_flow_and_a_restart_on_the_same_state_continues_without_duplicates_or_loss() {
+    let sim = spawn_sim(2).await;
+    let tenants = [1, 2];
+    let dir = tempfile::tempdir().unwrap();
+    let toml = daemon_toml(
+        &sim.base_url(),
+        sim.token(),
+        dir.path(),
+        &tenants,
+        "127.0.0.1:0",
+        "",
+    );
+    let mut daemon = spawn_daemon(&toml).await;
+
+    wait_until("the initial snapshot reached the file", WAIT, || {
+        downstream(&daemon.events(), &tenants) == upstream(&sim, &tenants)
+    })
+    .await;
+    let snapshots = daemon.events();
+    assert_eq!(snapshots.len(), 2 * (20 + 5));
+    assert!(snapshots.iter().all(|e| e["op"] == "snapshot"));
+
+    let updated = sim.record_ids(1, V)[3];
+    sim.update(1, V, updated);
+    let created = sim.create(2, C);
+    let deleted = sim.record_ids(1, V)[7];
+    sim.delete(1, V, deleted);
+    let silently = sim.record_ids(2, V)[1];
+    sim.update_silently(2, V, silently);
+    wait_until(
+        "updates, a create, a delete and a silent change arrived",
+        WAIT,
+        || downstream(&daemon.events(), &tenants) == upstream(&sim, &tenants),
+    )
+    .await;
+    // Categories embed their products, so a voucher change may update a category too.
+    let changes = daemon.events()[snapshots.len()..].to_vec();
+    let has = |tenant: u64, resource: &str, id: i64, op: &str| {
+        changes.iter().any(|e| {
+            e["tenant"] == tenant
+                && e["source"].as_str().unwrap().ends_with(resource)
+                && e["subject"] == id.to_string()
+                && e["op"] == op
+        })
+    };
+    assert!(has(1, "vouchers", updated, "update"), "{changes:?}");
+    assert!(has(2, "categories", created, "create"), "{changes:?}");
+    assert!(has(1, "vouchers", deleted, "delete"), "{changes:?}");
+    assert!(has(2, "vouchers", silently, "update"), "{changes:?}");
+
+    daemon.stop().await;
+    let before_restart = daemon.events().len();
+
+    // Changes while the bridge is down are picked up after the restart.
+    sim.update(2, C, sim.record_ids(2, C)[0]);
+    sim.delete(2, V, sim.record_ids(2, V)[2]);
+    let mut daemon = spawn_daemon(&toml).await;
+    wait_until(
+        "changes made while stopped arrived after the restart",
+        WAIT,
+        || downstream(&daemon.events(), &tenants) == upstream(&sim, &tenants),
+    )
+    .await;
+    sim.create(1, V);
+    sim.update(1, C, sim.record_ids(1, C)[4]);
+    wait_until("changes after the restart arrived", WAIT, || {
+        downstream(&daemon.events(), &tenants) == upstream(&sim, &tenants)
+    })
+    .await;
+    // Let a few more incremental and full sweeps run over unchanged data.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    daemon.stop().await;
+
+    let events = daemon.events();
+    assert_ids_unique(&events);
+    assert!(events[before_restart..]
+        .iter()
+        .all(|e| e["op"] != "snapshot"));
+    assert_eq!(downstream(&events, &tenants), upstream(&sim, &tenants));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_through_the_admin_api_re_emits_one_tenant_while_the_others_keep_streaming() {
+    let sim = spawn_sim(6).await;
+    let tenants = [5, 6];
+    let dir = tempfile::tempdir().unwrap();
+    let toml = daemon_toml(
+        &sim.base_url(),
+        sim.token(),
+        dir.path(),
+        &tenants,
+        "127.0.0.1:0",
+        "",
+    );
+    let mut daemon = spawn_daemon(&toml).await;
+    wait_until("the initial snapshot reached the file", WAIT, || {
+        downstream(&daemon.events(), &tenants) == upstream(&sim, &tenants)
+    })
+    .await;
+    let initial = daemon.events().len();
+
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/tenants/5/replay", daemon.admin_url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 202);
+    let body: Value = response.json().await.unwrap();
+    let replays = body["replays"].as_array().unwrap();
+    assert_eq!(replays.len(), 2, "{body}");
+    let replay_ids: HashSet<String> = replays
+        .iter()
+        .map(|r| r["replay_id"].as_str().unwrap().to_string())
+        .collect();
+    let changed = sim.record_ids(6, V)[0];
+    sim.update(6, V, changed);
+
+    wait_until(
+        "both replays completed and tenant 6's update arrived",
+        WAIT,
+        || {
+            let events = daemon.events();
+            let completed = events
+                .iter()
+                .filter(|e| e["type"] == "replay.completed")
+                .count();
+            completed == 2 && downstream(&events, &tenants) == upstream(&sim, &tenants)
+        },
+    )
+    .await;
+    let events = daemon.events();
+    let after = &events[initial..];
+    let replayed: Vec<&Value> = after.iter().filter(|e| e["replayid"].is_string()).collect();
+    assert!(replayed
+        .iter()
+        .all(|e| e["tenant"] == 5 && replay_ids.contains(e["replayid"].as_str().unwrap())));
+    let snapshots = replayed.iter().filter(|e| e["op"] == "snapshot").count();
+    assert_eq!(snapshots, 20 + 5);
+    assert!(after
+        .iter()
+        .any(|e| e["tenant"] == 6 && e["op"] == "update" && e["subject"] == changed.to_string()));
+
+    let (code, status) = get_json(&format!("{}/v1/status", daemon.admin_url)).await;
+    assert_eq!(code, 200);
+    let status: StatusReport = serde_json::from_value(status).unwrap();
+    for s in status.streams.iter().filter(|s| s.tenant == 5) {
+        let replay = s.replay.as_ref().expect("replay recorded");
+        assert!(!replay.pending);
+        assert!(replay_ids.contains(&replay.id));
+    }
+    assert!(status
+        .streams
+        .iter()
+        .filter(|s| s.tenant == 6)
+        .all(|s| s.replay.is_none()));
+    daemon.stop().await;
+    assert_ids_unique(&daemon.events());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_refused_access_is_parked_and_visible_while_the_others_go_on_then_recovers() {
+    let sim = spawn_sim(4).await;
+    sim.add_token("tenant-3-only", Some(vec![3]), &Permission::ALL);
+    let tenants = [3, 4];
+    let dir = tempfile::tempdir().unwrap();
+    let toml = daemon_toml(
+        &sim.base_url(),
+        "tenant-3-only",
+        dir.path(),
+        &tenants,
+        "127.0.0.1:0",
+        "",
+    );
+    let mut daemon = spawn_daemon(&toml).await;
+    let admin = daemon.admin_url.clone();
+
+    wait_until("tenant 3 synced while tenant 4 is refused", WAIT, || {
+        downstream(&daemon.events(), &[3]) == upstream(&sim, &[3])
+    })
+    .await;
+    let mut parked = Vec::new();
+    for _ in 0..200 {
+        let (_, status) = get_json(&format!("{admin}/v1/status")).await;
+        let status: StatusReport = serde_json::from_value(status).unwrap();
+        parked = status
+            .streams
+            .iter()
+            .filter(|s| s.parked.is_some())
+            .map(|s| (s.tenant, s.resource, s.parked.clone().unwrap()))
+            .collect();
+        if parked.len() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(parked.len(), 2, "{parked:?}");
+    assert!(parked.iter().all(|(t, _, _)| *t == 4));
+    assert!(
+        parked
+            .iter()
+            .all(|(_, _, why)| why.contains("/tenants/4/catalog")),
+        "{parked:?}"
+    );
+
+    let (code, ready) = get_json(&format!("{admin}/readyz")).await;
+    assert_eq!(code, 503);
+    let reasons = ready["reasons"].as_array().unwrap();
+    assert!(
+        reasons.iter().any(|r| r
+            .as_str()
+            .unwrap()
+            .starts_with("stream 4/vouchers parked: upstream returned")),
+        "{ready}"
+    );
+    let metrics = reqwest::get(format!("{admin}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let parked_lines: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("voucher_cdc_stream_parked{") && l.contains("tenant=\"4\""))
+        .collect();
+    assert_eq!(parked_lines.len(), 2, "{metrics}");
+    assert!(
+        parked_lines.iter().all(|l| l.ends_with(" 1")),
+        "{parked_lines:?}"
+    );
+
+    // Tenant 3 keeps streaming meanwhile.
+    let id = sim.record_ids(3, C)[1];
+    sim.update(3, C, id);
+    wait_until("tenant 3's update arrived", WAIT, || {
+        downstream(&daemon.events(), &[3]) == upstream(&sim, &[3])
+    })
+    .await;
+
+    // Access granted: the re-check unparks tenant 4, which snapshots.
+    sim.add_token("tenant-3-only", None, &Permission::ALL);
+    wait_until("tenant 4 unparked and synced", WAIT, || {
+        downstream(&daemon.events(), &tenants) == upstream(&sim, &tenants)
+    })
+    .await;
+    let mut ready_code = 0;
+    for _ in 0..100 {
+        ready_code = get_json(&format!("{admin}/readyz")).await.0;
+        if ready_code == 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(ready_code, 200);
+    daemon.stop().await;
+}
