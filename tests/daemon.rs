@@ -95,25 +95,42 @@ async fn get_json(url: &str) -> (u16, Value) {
     (status, response.json().await.unwrap())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn events_flow_and_a_restart_on_the_same_state_continues_without_duplicates_or_loss() {
-    let sim = spawn_sim(2).await;
-    let tenants = [1, 2];
+/// A simulator with `sim_tenants` tenants and a daemon streaming `tenants`,
+/// after the initial snapshot arrived; with `token` = (token, its tenants) the
+/// daemon uses that scoped token instead and nothing is awaited.
+async fn start_synced(
+    sim_tenants: u64,
+    tenants: &[u64],
+    scoped: Option<(&str, Vec<u64>)>,
+) -> (Simulator, tempfile::TempDir, String, common::TestDaemon) {
+    let sim = spawn_sim(sim_tenants).await;
+    let token = scoped.map(|(token, scope)| {
+        sim.add_token(token, Some(scope), &Permission::ALL);
+        token
+    });
     let dir = tempfile::tempdir().unwrap();
     let toml = daemon_toml(
         &sim.base_url(),
-        sim.token(),
+        token.unwrap_or(sim.token()),
         dir.path(),
-        &tenants,
+        tenants,
         "127.0.0.1:0",
         "",
     );
-    let mut daemon = spawn_daemon(&toml).await;
+    let daemon = spawn_daemon(&toml).await;
+    if token.is_none() {
+        wait_until("the initial snapshot reached the file", WAIT, || {
+            downstream(&daemon.events(), tenants) == upstream(&sim, tenants)
+        })
+        .await;
+    }
+    (sim, dir, toml, daemon)
+}
 
-    wait_until("the initial snapshot reached the file", WAIT, || {
-        downstream(&daemon.events(), &tenants) == upstream(&sim, &tenants)
-    })
-    .await;
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_flow_and_a_restart_on_the_same_state_continues_without_duplicates_or_loss() {
+    let tenants = [1, 2];
+    let (sim, _dir, toml, mut daemon) = start_synced(2, &tenants, None).await;
     let snapshots = daemon.events();
     assert_eq!(snapshots.len(), 2 * (20 + 5));
     assert!(snapshots.iter().all(|e| e["op"] == "snapshot"));
@@ -179,22 +196,8 @@ async fn events_flow_and_a_restart_on_the_same_state_continues_without_duplicate
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_through_the_admin_api_re_emits_one_tenant_while_the_others_keep_streaming() {
-    let sim = spawn_sim(6).await;
     let tenants = [5, 6];
-    let dir = tempfile::tempdir().unwrap();
-    let toml = daemon_toml(
-        &sim.base_url(),
-        sim.token(),
-        dir.path(),
-        &tenants,
-        "127.0.0.1:0",
-        "",
-    );
-    let mut daemon = spawn_daemon(&toml).await;
-    wait_until("the initial snapshot reached the file", WAIT, || {
-        downstream(&daemon.events(), &tenants) == upstream(&sim, &tenants)
-    })
-    .await;
+    let (sim, _dir, _toml, mut daemon) = start_synced(6, &tenants, None).await;
     let initial = daemon.events().len();
 
     let response = reqwest::Client::new()
@@ -257,19 +260,9 @@ async fn a_replay_through_the_admin_api_re_emits_one_tenant_while_the_others_kee
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_refused_access_is_parked_and_visible_while_the_others_go_on_then_recovers() {
-    let sim = spawn_sim(4).await;
-    sim.add_token("tenant-3-only", Some(vec![3]), &Permission::ALL);
     let tenants = [3, 4];
-    let dir = tempfile::tempdir().unwrap();
-    let toml = daemon_toml(
-        &sim.base_url(),
-        "tenant-3-only",
-        dir.path(),
-        &tenants,
-        "127.0.0.1:0",
-        "",
-    );
-    let mut daemon = spawn_daemon(&toml).await;
+    let (sim, _dir, _toml, mut daemon) =
+        start_synced(4, &tenants, Some(("tenant-3-only", vec![3]))).await;
     let admin = daemon.admin_url.clone();
 
     wait_until("tenant 3 synced while tenant 4 is refused", WAIT, || {
