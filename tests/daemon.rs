@@ -115,6 +115,7 @@ async fn start_synced(
         dir.path(),
         tenants,
         "127.0.0.1:0",
+        common::FAST_POLL,
         "",
     );
     let daemon = spawn_daemon(&toml).await;

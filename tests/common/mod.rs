@@ -62,14 +62,24 @@ impl TestDaemon {
     }
 }
 
-/// The TOML of a test daemon: file sink and state in `dir`, admin on `admin_listen`,
-/// fast polling; `extra` is appended (more `[[tenants]]`, overrides of whole tables).
+/// The `[poll]` body of test daemons: sweeps every 200ms, a full sweep every 2s.
+pub const FAST_POLL: &str = r#"interval = "200ms"
+full_resync_interval = "2s"
+lookback = "1s"
+park_recheck_interval = "1s"
+shutdown_timeout = "10s"
+"#;
+
+/// The TOML of a test daemon: file sink and state in `dir`, admin on
+/// `admin_listen`, `poll` as the `[poll]` table's body (e.g. [`FAST_POLL`]);
+/// `extra` is appended (more tables such as `[log]` or `[[tenants]]`).
 pub fn daemon_toml(
     base_url: &str,
     token: &str,
     dir: &std::path::Path,
     tenants: &[u64],
     admin_listen: &str,
+    poll: &str,
     extra: &str,
 ) -> String {
     let mut toml = format!(
@@ -81,12 +91,7 @@ requests_per_minute = 60000
 max_attempts = 2
 
 [poll]
-interval = "200ms"
-full_resync_interval = "2s"
-lookback = "1s"
-park_recheck_interval = "1s"
-shutdown_timeout = "10s"
-
+{poll}
 [state]
 path = "{state}"
 

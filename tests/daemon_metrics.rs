@@ -1,0 +1,332 @@
+//! `/metrics` of a running daemon parses as Prometheus text and its counters
+//! agree with what happened: the events in the file and the simulator's
+//! request log. Its own test binary: the metrics recorder is process-wide.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde_json::Value;
+use voucher_cdc::admin::StatusReport;
+use voucher_cdc::simulator::SimulatorOptions;
+use voucher_cdc::stream::Resource;
+
+use common::{daemon_toml, spawn_daemon, spawn_simulator_with, wait_until};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// One sample line.
+#[derive(Debug, Clone, PartialEq)]
+struct Sample {
+    name: String,
+    labels: BTreeMap<String, String>,
+    value: f64,
+}
+
+/// Parses the Prometheus text exposition format (0.0.4), strictly.
+fn parse_prometheus(text: &str) -> Result<Vec<Sample>, String> {
+    let mut samples = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let at = |what: &str| format!("line {}: {what}: {line}", n + 1);
+        if line.trim().is_empty() {
+            continue;
+        }
+        if let Some(comment) = line.strip_prefix('#') {
+            let words: Vec<&str> = comment.split_whitespace().collect();
+            match words.first() {
+                Some(&"HELP") if words.len() >= 2 && valid_name(words[1]) => {}
+                Some(&"TYPE")
+                    if words.len() == 3
+                        && valid_name(words[1])
+                        && ["counter", "gauge", "histogram", "summary", "untyped"]
+                            .contains(&words[2]) => {}
+                _ => return Err(at("malformed comment")),
+            }
+            continue;
+        }
+        let name_end = line
+            .find(|c: char| c == '{' || c == ' ')
+            .ok_or_else(|| at("no value"))?;
+        let name = &line[..name_end];
+        if !valid_name(name) {
+            return Err(at("invalid metric name"));
+        }
+        let mut rest = &line[name_end..];
+        let mut labels = BTreeMap::new();
+        if let Some(after) = rest.strip_prefix('{') {
+            let mut chars = after.char_indices().peekable();
+            loop {
+                let Some(&(i, c)) = chars.peek() else {
+                    return Err(at("unterminated labels"));
+                };
+                if c == '}' {
+                    rest = &after[i + 1..];
+                    break;
+                }
+                let key_start = i;
+                while let Some(&(_, c)) = chars.peek() {
+                    if c == '=' {
+                        break;
+                    }
+                    chars.next();
+                }
+                let Some((eq, _)) = chars.next() else {
+                    return Err(at("label without ="));
+                };
+                let key = &after[key_start..eq];
+                if !valid_name(key) || key.contains(':') {
+                    return Err(at("invalid label name"));
+                }
+                if chars.next().map(|(_, c)| c) != Some('"') {
+                    return Err(at("label value not quoted"));
+                }
+                let mut value = String::new();
+                loop {
+                    match chars.next() {
+                        Some((_, '\\')) => match chars.next() {
+                            Some((_, 'n')) => value.push('\n'),
+                            Some((_, '\\')) => value.push('\\'),
+                            Some((_, '"')) => value.push('"'),
+                            _ => return Err(at("bad escape in label value")),
+                        },
+                        Some((_, '"')) => break,
+                        Some((_, c)) => value.push(c),
+                        None => return Err(at("unterminated label value")),
+                    }
+                }
+                labels.insert(key.to_string(), value);
+                if let Some(&(_, ',')) = chars.peek() {
+                    chars.next();
+                }
+            }
+        }
+        let mut fields = rest.split_whitespace();
+        let raw = fields.next().ok_or_else(|| at("no value"))?;
+        let value = match raw {
+            "+Inf" => f64::INFINITY,
+            "-Inf" => f64::NEG_INFINITY,
+            "NaN" => f64::NAN,
+            other => other.parse().map_err(|_| at("value is not a number"))?,
+        };
+        if let Some(ts) = fields.next() {
+            ts.parse::<i64>().map_err(|_| at("bad timestamp"))?;
+        }
+        if fields.next().is_some() {
+            return Err(at("trailing text"));
+        }
+        samples.push(Sample {
+            name: name.to_string(),
+            labels,
+            value,
+        });
+    }
+    Ok(samples)
+}
+
+fn valid_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    matches!(chars.next(), Some(c) if c.is_ascii_alphabetic() || c == '_' || c == ':')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+}
+
+fn sum(samples: &[Sample], name: &str, filter: &[(&str, &str)]) -> f64 {
+    samples
+        .iter()
+        .filter(|s| s.name == name)
+        .filter(|s| {
+            filter
+                .iter()
+                .all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))
+        })
+        .map(|s| s.value)
+        .sum()
+}
+
+async fn scrape(admin: &str) -> Vec<Sample> {
+    let response = reqwest::get(format!("{admin}/metrics")).await.unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let content_type = response.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        content_type.starts_with("text/plain; version=0.0.4"),
+        "{content_type}"
+    );
+    let text = response.text().await.unwrap();
+    parse_prometheus(&text).unwrap_or_else(|e| panic!("{e}\n{text}"))
+}
+
+#[test]
+fn the_prometheus_parser_rejects_what_prometheus_would_reject() {
+    let good = "# HELP a_total A thing\n# TYPE a_total counter\na_total{x=\"1\",y=\"q\\\"\"} 3\nb 1.5e3\nc{} +Inf\n";
+    let samples = parse_prometheus(good).unwrap();
+    assert_eq!(samples.len(), 3);
+    assert_eq!(samples[0].labels["y"], "q\"");
+    assert_eq!(samples[1].value, 1500.0);
+    for bad in [
+        "a{x=1} 2",
+        "a{x=\"1\" 2",
+        "1a 2",
+        "a two",
+        "# TYPE a countr",
+        "a 1 2 3",
+    ] {
+        assert!(parse_prometheus(bad).is_err(), "{bad}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_parse_and_their_counters_match_the_events_and_the_requests() {
+    let sim = spawn_simulator_with(SimulatorOptions {
+        tenants: 2,
+        vouchers: 120,
+        categories: 5,
+        rate_limit: 0,
+        ..SimulatorOptions::default()
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    // One sweep per stream at start, then only what the test asks for.
+    let poll = "interval = \"1h\"\nfull_resync_interval = \"1h\"\n";
+    let toml = daemon_toml(
+        &sim.base_url(),
+        sim.token(),
+        dir.path(),
+        &[1, 2],
+        "127.0.0.1:0",
+        poll,
+        "",
+    );
+    let mut daemon = spawn_daemon(&toml).await;
+    let admin = daemon.admin_url.clone();
+    let client = reqwest::Client::new();
+
+    wait_until("the initial snapshot reached the file", WAIT, || {
+        daemon.events().len() == 2 * (120 + 5)
+    })
+    .await;
+    sim.update(1, Resource::Vouchers, 3);
+    sim.create(2, Resource::Categories);
+    for tenant in [1, 2] {
+        let response = client
+            .post(format!("{admin}/v1/tenants/{tenant}/replay"))
+            .json(&serde_json::json!({"since": "1h"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status().as_u16(), 202);
+    }
+    let mut done = false;
+    for _ in 0..600 {
+        let status: StatusReport = client
+            .get(format!("{admin}/v1/status"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let replays_done = status
+            .streams
+            .iter()
+            .all(|s| s.replay.as_ref().is_some_and(|r| !r.pending));
+        let samples = scrape(&admin).await;
+        if replays_done && sum(&samples, "voucher_cdc_sweeps_total", &[("outcome", "ok")]) == 8.0 {
+            done = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(done, "the replays did not finish");
+
+    let samples = scrape(&admin).await;
+    let events: Vec<Value> = daemon.events();
+    assert_eq!(
+        sum(&samples, "voucher_cdc_events_published_total", &[]),
+        events.len() as f64,
+        "events_published_total must count every event in the file"
+    );
+    let snapshots = events.iter().filter(|e| e["op"] == "snapshot").count();
+    assert_eq!(
+        sum(
+            &samples,
+            "voucher_cdc_events_published_total",
+            &[("op", "snapshot")]
+        ),
+        snapshots as f64
+    );
+    let tenant_1_vouchers = events
+        .iter()
+        .filter(|e| e["tenant"] == 1 && e["type"] == "voucher.updated")
+        .count();
+    assert_eq!(
+        sum(
+            &samples,
+            "voucher_cdc_events_published_total",
+            &[
+                ("tenant", "1"),
+                ("resource", "vouchers"),
+                ("type", "voucher.updated")
+            ]
+        ),
+        tenant_1_vouchers as f64
+    );
+
+    let list_requests = sim
+        .request_log()
+        .iter()
+        .filter(|r| {
+            r.method == "GET"
+                && (r.path.ends_with("/catalog/vouchers")
+                    || r.path.ends_with("/catalog/categories"))
+        })
+        .count();
+    // Initial full sweeps: 3 voucher pages + 1 category page per tenant; each replay since 1h: 1 page.
+    assert_eq!(list_requests, 2 * (3 + 1) + 4);
+    assert_eq!(
+        sum(&samples, "voucher_cdc_pages_total", &[]),
+        list_requests as f64,
+        "pages_total must count every list request"
+    );
+    assert_eq!(
+        sum(
+            &samples,
+            "voucher_cdc_upstream_requests_total",
+            &[("status", "200")]
+        ),
+        list_requests as f64
+    );
+
+    let latency_count = sum(
+        &samples,
+        "voucher_cdc_publish_latency_seconds_count",
+        &[("sink", "file")],
+    );
+    assert!(latency_count > 0.0);
+    assert!(samples
+        .iter()
+        .any(|s| s.name == "voucher_cdc_publish_latency_seconds_bucket"
+            && s.labels.get("le").map(String::as_str) == Some("+Inf")));
+
+    for (tenant, resource, known) in [("1", "vouchers", 120.0), ("2", "categories", 6.0)] {
+        let labels = [("tenant", tenant), ("resource", resource)];
+        assert_eq!(sum(&samples, "voucher_cdc_records_known", &labels), known);
+        assert_eq!(sum(&samples, "voucher_cdc_stream_parked", &labels), 0.0);
+        let lag = samples
+            .iter()
+            .find(|s| {
+                s.name == "voucher_cdc_stream_lag_seconds"
+                    && s.labels.get("tenant").map(String::as_str) == Some(tenant)
+                    && s.labels.get("resource").map(String::as_str) == Some(resource)
+            })
+            .expect("lag gauge per stream");
+        assert!(lag.value >= 0.0 && lag.value < 60.0, "{lag:?}");
+        assert!(samples
+            .iter()
+            .any(|s| s.name == "voucher_cdc_seconds_since_last_sweep"
+                && s.labels.get("tenant").map(String::as_str) == Some(tenant)));
+    }
+    daemon.stop().await;
+}
