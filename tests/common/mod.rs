@@ -164,3 +164,114 @@ pub fn free_port() -> u16 {
         .unwrap()
         .port()
 }
+
+/// `toml` with the dotted key (`admin.token`, `log.level`) set to `value`.
+pub fn set_key(toml: &str, dotted: &str, value: impl Into<toml::Value>) -> String {
+    let mut doc: toml::Table = toml.parse().expect("valid toml");
+    let mut parts: Vec<&str> = dotted.split('.').collect();
+    let last = parts.pop().unwrap();
+    let mut table = &mut doc;
+    for part in parts {
+        table = table
+            .entry(part)
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+            .as_table_mut()
+            .expect("a table");
+    }
+    table.insert(last.to_string(), value.into());
+    toml::to_string(&doc).unwrap()
+}
+
+/// The built `voucher-cdc` binary.
+pub fn cli() -> std::process::Command {
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_voucher-cdc"));
+    command
+        .env_remove("RUST_LOG")
+        .env_remove("VOUCHER_CDC_CONFIG");
+    command
+}
+
+/// Runs the binary to completion (at most 60s); returns (exit code, stdout, stderr).
+pub fn run_cli(args: &[&str]) -> (i32, String, String) {
+    let mut child = spawn_cli(args);
+    let code = child.wait_for(std::time::Duration::from_secs(60));
+    (code, child.stdout(), child.stderr())
+}
+
+/// A running binary whose output goes to temp files (no pipe can fill up).
+pub struct CliProcess {
+    /// The process.
+    pub child: std::process::Child,
+    out: std::fs::File,
+    err: std::fs::File,
+}
+
+impl CliProcess {
+    /// Waits for the exit code; kills the process and panics after `timeout`.
+    pub fn wait_for(&mut self, timeout: std::time::Duration) -> i32 {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.code().unwrap_or(-1);
+            }
+            if std::time::Instant::now() > deadline {
+                self.child.kill().unwrap();
+                panic!(
+                    "voucher-cdc did not exit within {timeout:?}; stderr:\n{}",
+                    self.stderr()
+                );
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
+    /// Sends a signal by name (`TERM`, `INT`) with the `kill` command.
+    pub fn signal(&self, name: &str) {
+        let status = std::process::Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -{name} failed");
+    }
+
+    /// Everything written to stdout so far.
+    pub fn stdout(&self) -> String {
+        read_all(&self.out)
+    }
+
+    /// Everything written to stderr so far.
+    pub fn stderr(&self) -> String {
+        read_all(&self.err)
+    }
+}
+
+impl Drop for CliProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn read_all(file: &std::fs::File) -> String {
+    use std::io::{Read, Seek};
+    let mut file = file.try_clone().unwrap();
+    file.seek(std::io::SeekFrom::Start(0)).unwrap();
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes).unwrap();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// Starts the binary with `args`, stdout and stderr going to temp files.
+pub fn spawn_cli(args: &[&str]) -> CliProcess {
+    let out = tempfile::tempfile().unwrap();
+    let err = tempfile::tempfile().unwrap();
+    let child = cli()
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(out.try_clone().unwrap())
+        .stderr(err.try_clone().unwrap())
+        .spawn()
+        .expect("binary starts");
+    CliProcess { child, out, err }
+}

@@ -1,0 +1,390 @@
+//! The real `voucher-cdc` binary: example configs, exit codes, a clean stop
+//! on SIGTERM, no secret in trace-level logs, and `status` / `replay` both
+//! through a running daemon's admin API and directly on the store.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::Value;
+use voucher_cdc::admin::StatusReport;
+use voucher_cdc::simulator::SimulatorOptions;
+use voucher_cdc::state::{SledStore, StateStore};
+use voucher_cdc::stream::{Resource, StreamKey};
+
+use common::{
+    daemon_toml, free_port, read_events, run_cli, set_key, spawn_cli, spawn_daemon,
+    spawn_simulator_with, wait_until, FAST_POLL,
+};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn write_config(dir: &Path, toml: &str) -> String {
+    let path = dir.join("voucher-cdc.toml");
+    std::fs::write(&path, toml).unwrap();
+    path.display().to_string()
+}
+
+async fn small_simulator(tenants: u64) -> voucher_cdc::simulator::Simulator {
+    spawn_simulator_with(SimulatorOptions {
+        tenants,
+        vouchers: 20,
+        categories: 5,
+        rate_limit: 0,
+        ..SimulatorOptions::default()
+    })
+    .await
+}
+
+#[test]
+fn every_example_config_passes_check_config_with_its_secrets_redacted() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path().display().to_string())
+        .filter(|p| p.ends_with(".toml"))
+        .collect();
+    names.sort();
+    let expected: Vec<String> = ["file", "kafka", "nats", "stdout"]
+        .iter()
+        .map(|n| dir.join(format!("{n}.toml")).display().to_string())
+        .collect();
+    assert_eq!(names, expected);
+    for path in &names {
+        let (code, stdout, stderr) = run_cli(&["check-config", "--config", path]);
+        assert_eq!(code, 0, "{path}: {stderr}");
+        assert!(
+            stdout.contains("[upstream]") && stdout.contains("[sink]"),
+            "{stdout}"
+        );
+        assert!(stdout.contains("token = \"<redacted>\""), "{stdout}");
+        assert!(
+            !stdout.contains("sim-token"),
+            "{path} leaks its token: {stdout}"
+        );
+    }
+}
+
+#[test]
+fn usage_and_config_errors_exit_2_with_one_line_naming_the_cause() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope.toml").display().to_string();
+    let (code, _, stderr) = run_cli(&["run", "--config", &missing]);
+    assert_eq!(code, 2);
+    assert_eq!(
+        stderr.trim(),
+        format!("error: config file {missing}: not found")
+    );
+
+    let broken = write_config(
+        dir.path(),
+        "[upstream]\nbase_url = \"ftp://x\"\n[poll]\ninterval = \"0s\"\n",
+    );
+    let (code, _, stderr) = run_cli(&["check-config", "--config", &broken]);
+    assert_eq!(code, 2);
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert!(lines.len() >= 3, "{stderr}");
+    assert!(lines.iter().all(|l| l.starts_with("error: ")), "{stderr}");
+    assert!(
+        stderr.contains("upstream.base_url: scheme `ftp` not supported"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("poll.interval: must be greater than 0s"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("tenants: at least one [[tenants]] entry is required"),
+        "{stderr}"
+    );
+
+    let (code, _, stderr) = run_cli(&["sweep-everything"]);
+    assert_eq!(code, 2, "{stderr}");
+
+    let good = write_config(
+        dir.path(),
+        &daemon_toml(
+            "http://127.0.0.1:9/api/external/v1",
+            "t",
+            dir.path(),
+            &[1],
+            "127.0.0.1:0",
+            FAST_POLL,
+            "",
+        ),
+    );
+    let (code, _, stderr) = run_cli(&["replay", "--tenant", "7", "--config", &good]);
+    assert_eq!(code, 2);
+    assert_eq!(
+        stderr.trim(),
+        "error: --tenant 7: not a configured tenant of this daemon: configured tenants are 1"
+    );
+    let (code, _, stderr) = run_cli(&[
+        "replay", "--tenant", "1", "--since", "soon", "--config", &good,
+    ]);
+    assert_eq!(code, 2);
+    assert!(
+        stderr.starts_with("error: --since: `soon` is not a time"),
+        "{stderr}"
+    );
+    let (code, _, stderr) = run_cli(&[
+        "replay",
+        "--tenant",
+        "1",
+        "--resource",
+        "products",
+        "--config",
+        &good,
+    ]);
+    assert_eq!(code, 2);
+    assert!(
+        stderr.contains("valid options are vouchers, categories"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_runtime_failure_exits_1_with_one_line_naming_the_cause() {
+    let dir = tempfile::tempdir().unwrap();
+    let blocker = dir.path().join("not-a-dir");
+    std::fs::write(&blocker, "x").unwrap();
+    let toml = daemon_toml(
+        "http://127.0.0.1:9/api/external/v1",
+        "t",
+        dir.path(),
+        &[1],
+        "127.0.0.1:0",
+        FAST_POLL,
+        "",
+    );
+    let toml = set_key(&toml, "state.path", blocker.display().to_string());
+    let config = write_config(dir.path(), &toml);
+    let (code, _, stderr) = run_cli(&["run", "--config", &config]);
+    assert_eq!(code, 1, "{stderr}");
+    let last = stderr.lines().last().unwrap();
+    assert!(
+        last.starts_with("error: state store ") && last.contains("not-a-dir"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_stops_cleanly_with_exit_0_on_sigterm_and_no_secret_reaches_trace_logs() {
+    let sim = small_simulator(2).await;
+    let upstream_token = "upstream-secret-7f3a9c";
+    let admin_token = "admin-secret-41bd2e";
+    sim.add_token(
+        upstream_token,
+        None,
+        &voucher_cdc::simulator::Permission::ALL,
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let toml = daemon_toml(
+        &sim.base_url(),
+        upstream_token,
+        dir.path(),
+        &[1, 2],
+        &format!("127.0.0.1:{port}"),
+        FAST_POLL,
+        "\n[log]\nformat = \"json\"\nlevel = \"trace\"\n",
+    );
+    let toml = set_key(&toml, "admin.token", admin_token);
+    let config = write_config(dir.path(), &toml);
+    let mut daemon = spawn_cli(&["run", "--config", &config]);
+    let events = dir.path().join("events.jsonl");
+    wait_until("the binary synced both tenants", WAIT, || {
+        read_events(&events).len() == 2 * (20 + 5)
+    })
+    .await;
+
+    // Use the admin API with its token (status and a replay), through the CLI.
+    let (code, stdout, stderr) = run_cli(&["status", "--config", &config, "--json"]);
+    assert_eq!(code, 0, "{stderr}");
+    let status: StatusReport = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(status.streams.len(), 4);
+    let (code, _, stderr) = run_cli(&["replay", "--tenant", "2", "--config", &config]);
+    assert_eq!(code, 0, "{stderr}");
+    wait_until("the replay completed", WAIT, || {
+        read_events(&events)
+            .iter()
+            .filter(|e| e["type"] == "replay.completed")
+            .count()
+            == 2
+    })
+    .await;
+    let unauthorized = reqwest::get(format!("http://127.0.0.1:{port}/v1/status"))
+        .await
+        .unwrap();
+    assert_eq!(unauthorized.status().as_u16(), 401);
+
+    let started = std::time::Instant::now();
+    daemon.signal("TERM");
+    let code = daemon.wait_for(Duration::from_secs(20));
+    let stderr = daemon.stderr();
+    assert_eq!(code, 0, "{}", tail(&stderr));
+    assert!(started.elapsed() < Duration::from_secs(15));
+
+    let output = format!("{}{stderr}", daemon.stdout());
+    for secret in [upstream_token, admin_token] {
+        assert!(!output.contains(secret), "a log line contains {secret}");
+    }
+    // JSON lines, and every line of a stream task carries its tenant and resource.
+    let lines: Vec<Value> = stderr
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    assert!(lines.len() > 100, "trace level logs a lot: {}", lines.len());
+    let finished: Vec<&Value> = lines
+        .iter()
+        .filter(|l| l["message"] == "sweep finished")
+        .collect();
+    assert!(!finished.is_empty());
+    for line in &finished {
+        assert!(line["span"]["tenant"].is_u64(), "{line}");
+        assert!(line["span"]["resource"].is_string(), "{line}");
+    }
+    assert!(lines.iter().any(|l| l["message"] == "daemon stopped"));
+}
+
+fn tail(text: &str) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(20)..].join("\n")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_and_replay_go_through_the_admin_api_while_a_daemon_runs_and_to_the_store_otherwise()
+{
+    let sim = small_simulator(2).await;
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let toml = daemon_toml(
+        &sim.base_url(),
+        sim.token(),
+        dir.path(),
+        &[1, 2],
+        &format!("127.0.0.1:{port}"),
+        FAST_POLL,
+        "",
+    );
+    let toml = set_key(&toml, "admin.token", "cli-admin-token");
+    let config = write_config(dir.path(), &toml);
+    let mut daemon = spawn_daemon(&toml).await;
+    wait_until("both tenants synced", WAIT, || {
+        daemon.events().len() == 2 * (20 + 5)
+    })
+    .await;
+
+    // Through the admin API: only a running daemon knows its sink.
+    let (code, stdout, stderr) = run_cli(&["status", "--config", &config, "--json"]);
+    assert_eq!(code, 0, "{stderr}");
+    let status: StatusReport = serde_json::from_str(&stdout).unwrap();
+    let sink = status.sink.expect("the daemon reports its sink");
+    assert!(sink.name == "file" && sink.healthy);
+    assert_eq!(status.streams.len(), 4);
+    assert!(status.streams.iter().all(|s| s.watermark.is_some()));
+    let (code, table, stderr) = run_cli(&["status", "--config", &config]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(table.starts_with("STREAM"), "{table}");
+    assert!(table.contains("sink file: healthy"), "{table}");
+    for stream in ["1/vouchers", "1/categories", "2/vouchers", "2/categories"] {
+        assert!(
+            table
+                .lines()
+                .any(|l| l.starts_with(stream) && l.ends_with("ok")),
+            "{table}"
+        );
+    }
+    let (code, stdout, stderr) = run_cli(&[
+        "replay",
+        "--tenant",
+        "1",
+        "--resource",
+        "vouchers",
+        "--config",
+        &config,
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let replay_id = stdout
+        .strip_prefix("replay ")
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap()
+        .to_string();
+    assert!(
+        stdout
+            .trim_end()
+            .ends_with("scheduled for tenant 1 vouchers: every record"),
+        "{stdout}"
+    );
+    wait_until("the replay went through", WAIT, || {
+        daemon
+            .events()
+            .iter()
+            .any(|e| e["type"] == "replay.completed" && e["replayid"] == replay_id.as_str())
+    })
+    .await;
+
+    // A wrong admin token is refused with the admin API's own message.
+    let wrong = write_config(dir.path(), &set_key(&toml, "admin.token", "wrong"));
+    let (code, _, stderr) = run_cli(&["status", "--config", &wrong]);
+    assert_eq!(code, 1);
+    assert!(
+        stderr.contains("answered 401 to GET /v1/status: invalid bearer token"),
+        "{stderr}"
+    );
+    let config = write_config(dir.path(), &toml);
+
+    daemon.stop().await;
+
+    // Directly on the store.
+    let (code, stdout, stderr) = run_cli(&["status", "--config", &config, "--json"]);
+    assert_eq!(code, 0, "{stderr}");
+    let direct: StatusReport = serde_json::from_str(&stdout).unwrap();
+    assert!(direct.sink.is_none());
+    assert_eq!(direct.streams.len(), 4);
+    let vouchers_1 = direct
+        .streams
+        .iter()
+        .find(|s| s.tenant == 1 && s.resource == Resource::Vouchers)
+        .unwrap();
+    assert_eq!(
+        vouchers_1.replay.as_ref().map(|r| r.id.as_str()),
+        Some(replay_id.as_str())
+    );
+    assert_eq!(vouchers_1.records_known, 20);
+
+    let (code, stdout, stderr) = run_cli(&[
+        "replay", "--tenant", "2", "--since", "2h", "--config", &config,
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(stdout.lines().count(), 2, "{stdout}");
+    assert!(
+        stdout.lines().all(|l| l.contains("records updated since")),
+        "{stdout}"
+    );
+    {
+        let store = SledStore::open(&dir.path().join("state")).unwrap();
+        for resource in [Resource::Vouchers, Resource::Categories] {
+            let state = store.load_stream(StreamKey::new(2, resource)).unwrap();
+            let replay = state.replay.expect("replay scheduled");
+            assert!(replay.pending);
+            let since = replay.since.expect("since kept");
+            let age = chrono::Utc::now() - since;
+            assert!((age.num_minutes() - 120).abs() <= 1, "{age}");
+        }
+    }
+
+    // The next daemon runs the replays scheduled while it was down.
+    let mut daemon = spawn_daemon(&toml).await;
+    wait_until("the offline replays ran", WAIT, || {
+        daemon
+            .events()
+            .iter()
+            .filter(|e| e["type"] == "replay.completed" && e["tenant"] == 2)
+            .count()
+            == 2
+    })
+    .await;
+    daemon.stop().await;
+}
