@@ -9,13 +9,12 @@ use std::time::Duration;
 
 use serde_json::Value;
 use voucher_cdc::admin::StatusReport;
-use voucher_cdc::simulator::SimulatorOptions;
 use voucher_cdc::state::{SledStore, StateStore};
 use voucher_cdc::stream::{Resource, StreamKey};
 
 use common::{
     daemon_toml, free_port, read_events, run_cli, set_key, spawn_cli, spawn_daemon,
-    spawn_simulator_with, wait_until, FAST_POLL,
+    spawn_small_simulator, wait_until, FAST_POLL,
 };
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -26,15 +25,17 @@ fn write_config(dir: &Path, toml: &str) -> String {
     path.display().to_string()
 }
 
-async fn small_simulator(tenants: u64) -> voucher_cdc::simulator::Simulator {
-    spawn_simulator_with(SimulatorOptions {
-        tenants,
-        vouchers: 20,
-        categories: 5,
-        rate_limit: 0,
-        ..SimulatorOptions::default()
-    })
-    .await
+/// A valid config of tenant 1 against an upstream nobody serves.
+fn offline_toml(dir: &Path) -> String {
+    daemon_toml(
+        "http://127.0.0.1:9/api/external/v1",
+        "t",
+        dir,
+        &[1],
+        "127.0.0.1:0",
+        FAST_POLL,
+        "",
+    )
 }
 
 #[test]
@@ -102,18 +103,7 @@ fn usage_and_config_errors_exit_2_with_one_line_naming_the_cause() {
     let (code, _, stderr) = run_cli(&["sweep-everything"]);
     assert_eq!(code, 2, "{stderr}");
 
-    let good = write_config(
-        dir.path(),
-        &daemon_toml(
-            "http://127.0.0.1:9/api/external/v1",
-            "t",
-            dir.path(),
-            &[1],
-            "127.0.0.1:0",
-            FAST_POLL,
-            "",
-        ),
-    );
+    let good = write_config(dir.path(), &offline_toml(dir.path()));
     let (code, _, stderr) = run_cli(&["replay", "--tenant", "7", "--config", &good]);
     assert_eq!(code, 2);
     assert_eq!(
@@ -149,15 +139,7 @@ fn a_runtime_failure_exits_1_with_one_line_naming_the_cause() {
     let dir = tempfile::tempdir().unwrap();
     let blocker = dir.path().join("not-a-dir");
     std::fs::write(&blocker, "x").unwrap();
-    let toml = daemon_toml(
-        "http://127.0.0.1:9/api/external/v1",
-        "t",
-        dir.path(),
-        &[1],
-        "127.0.0.1:0",
-        FAST_POLL,
-        "",
-    );
+    let toml = offline_toml(dir.path());
     let toml = set_key(&toml, "state.path", blocker.display().to_string());
     let config = write_config(dir.path(), &toml);
     let (code, _, stderr) = run_cli(&["run", "--config", &config]);
@@ -171,7 +153,7 @@ fn a_runtime_failure_exits_1_with_one_line_naming_the_cause() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_stops_cleanly_with_exit_0_on_sigterm_and_no_secret_reaches_trace_logs() {
-    let sim = small_simulator(2).await;
+    let sim = spawn_small_simulator(2).await;
     let upstream_token = "upstream-secret-7f3a9c";
     let admin_token = "admin-secret-41bd2e";
     sim.add_token(
@@ -256,7 +238,7 @@ fn tail(text: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_and_replay_go_through_the_admin_api_while_a_daemon_runs_and_to_the_store_otherwise()
 {
-    let sim = small_simulator(2).await;
+    let sim = spawn_small_simulator(2).await;
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let toml = daemon_toml(

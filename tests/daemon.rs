@@ -9,10 +9,10 @@ use std::time::Duration;
 
 use serde_json::Value;
 use voucher_cdc::admin::StatusReport;
-use voucher_cdc::simulator::{Permission, Simulator, SimulatorOptions};
+use voucher_cdc::simulator::{Permission, Simulator};
 use voucher_cdc::stream::Resource;
 
-use common::{daemon_toml, spawn_daemon, spawn_simulator_with, wait_until};
+use common::{daemon_toml, spawn_daemon, spawn_small_simulator, wait_until};
 
 const V: Resource = Resource::Vouchers;
 const C: Resource = Resource::Categories;
@@ -78,17 +78,6 @@ fn assert_ids_unique(events: &[Value]) {
     }
 }
 
-async fn spawn_sim(tenants: u64) -> Simulator {
-    spawn_simulator_with(SimulatorOptions {
-        tenants,
-        vouchers: 20,
-        categories: 5,
-        rate_limit: 0,
-        ..SimulatorOptions::default()
-    })
-    .await
-}
-
 async fn get_json(url: &str) -> (u16, Value) {
     let response = reqwest::get(url).await.unwrap();
     let status = response.status().as_u16();
@@ -103,7 +92,7 @@ async fn start_synced(
     tenants: &[u64],
     scoped: Option<(&str, Vec<u64>)>,
 ) -> (Simulator, tempfile::TempDir, String, common::TestDaemon) {
-    let sim = spawn_sim(sim_tenants).await;
+    let sim = spawn_small_simulator(sim_tenants).await;
     let token = scoped.map(|(token, scope)| {
         sim.add_token(token, Some(scope), &Permission::ALL);
         token

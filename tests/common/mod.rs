@@ -22,6 +22,18 @@ pub async fn spawn_simulator_with(options: SimulatorOptions) -> Simulator {
     .expect("simulator starts")
 }
 
+/// A simulator with `tenants` tenants of 20 vouchers and 5 categories, rate limit off.
+pub async fn spawn_small_simulator(tenants: u64) -> Simulator {
+    spawn_simulator_with(SimulatorOptions {
+        tenants,
+        vouchers: 20,
+        categories: 5,
+        rate_limit: 0,
+        ..SimulatorOptions::default()
+    })
+    .await
+}
+
 /// A reqwest client for the simulator that sends `Accept: application/json` and the bearer token.
 pub fn simulator_client(token: &str) -> reqwest::Client {
     let mut headers = reqwest::header::HeaderMap::new();
