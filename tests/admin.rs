@@ -1,0 +1,168 @@
+//! The admin API of an in-process daemon over loopback HTTP: the bearer
+//! token on `/v1`, open probes and metrics, and replay requests validated
+//! with JSON errors naming the field.
+
+mod common;
+
+use std::time::Duration;
+
+use reqwest::{Client, StatusCode};
+use serde_json::{json, Value};
+
+use common::{daemon_toml, set_key, spawn_daemon, spawn_small_simulator, wait_until, FAST_POLL};
+
+const TOKEN: &str = "admin-test-token";
+
+async fn send(request: reqwest::RequestBuilder) -> (StatusCode, Value) {
+    let response = request.send().await.unwrap();
+    let status = response.status();
+    let text = response.text().await.unwrap();
+    let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
+    (status, body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn v1_endpoints_require_the_admin_token_while_probes_and_metrics_stay_open() {
+    let sim = spawn_small_simulator(1).await;
+    let dir = tempfile::tempdir().unwrap();
+    let toml = daemon_toml(
+        &sim.base_url(),
+        sim.token(),
+        dir.path(),
+        &[1],
+        "127.0.0.1:0",
+        FAST_POLL,
+        "",
+    );
+    let mut daemon = spawn_daemon(&set_key(&toml, "admin.token", TOKEN)).await;
+    let admin = daemon.admin_url.clone();
+    let http = Client::new();
+    wait_until("tenant 1 synced", Duration::from_secs(30), || {
+        daemon.events().len() == 25
+    })
+    .await;
+
+    let (code, body) = send(http.get(format!("{admin}/healthz"))).await;
+    assert_eq!((code, body), (StatusCode::OK, json!({"status": "ok"})));
+    let (code, body) = send(http.get(format!("{admin}/readyz"))).await;
+    assert_eq!(
+        (code, body),
+        (StatusCode::OK, json!({"ready": true, "reasons": []}))
+    );
+    let (code, _) = send(http.get(format!("{admin}/metrics"))).await;
+    assert_eq!(code, StatusCode::OK);
+
+    let response = http.get(format!("{admin}/v1/status")).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(response.headers()["www-authenticate"], "Bearer");
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(
+        body["message"],
+        "missing bearer token: send Authorization: Bearer <admin.token>"
+    );
+    let (code, body) = send(http.get(format!("{admin}/v1/status")).bearer_auth("nope")).await;
+    assert_eq!(code, StatusCode::UNAUTHORIZED);
+    assert_eq!(body["message"], "invalid bearer token for the admin api");
+    let (code, body) = send(
+        http.post(format!("{admin}/v1/tenants/1/replay"))
+            .bearer_auth("nope"),
+    )
+    .await;
+    assert_eq!(code, StatusCode::UNAUTHORIZED, "{body}");
+
+    let (code, body) = send(http.get(format!("{admin}/v1/status")).bearer_auth(TOKEN)).await;
+    assert_eq!(code, StatusCode::OK);
+    let streams = body["streams"].as_array().unwrap();
+    assert_eq!(streams.len(), 2);
+    assert!(
+        streams.iter().all(|s| s["replay"].is_null()),
+        "a refused replay left a trace: {body}"
+    );
+    assert!(streams
+        .iter()
+        .all(|s| s["records_known"].as_u64().unwrap() > 0));
+    assert_eq!(body["sink"]["name"], "file");
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_requests_are_validated_with_json_errors_naming_the_field() {
+    let sim = spawn_small_simulator(2).await;
+    let dir = tempfile::tempdir().unwrap();
+    let toml = daemon_toml(
+        &sim.base_url(),
+        sim.token(),
+        dir.path(),
+        &[1],
+        "127.0.0.1:0",
+        FAST_POLL,
+        "\n[[tenants]]\nid = 2\nresources = [\"vouchers\"]\n",
+    );
+    let mut daemon = spawn_daemon(&toml).await;
+    let admin = daemon.admin_url.clone();
+    let http = Client::new();
+    let replay = |tenant: &str| http.post(format!("{admin}/v1/tenants/{tenant}/replay"));
+
+    for tenant in ["99", "abc"] {
+        let (code, body) = send(replay(tenant)).await;
+        assert_eq!(code, StatusCode::NOT_FOUND);
+        assert_eq!(
+            body,
+            json!({"message": format!("tenant `{tenant}` is not streamed by this daemon: configured tenants are 1, 2")})
+        );
+    }
+    let (code, body) = send(replay("1").json(&json!({"resource": "products"}))).await;
+    assert_eq!(code, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        body["errors"]["resource"],
+        json!(["unknown resource `products`: valid options are vouchers, categories"])
+    );
+    let (code, body) = send(replay("2").json(&json!({"resource": "categories"}))).await;
+    assert_eq!(code, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        body["message"],
+        "resource: tenant 2 does not stream categories: configured resources are vouchers"
+    );
+    let (code, body) = send(replay("1").json(&json!({"since": "last week"}))).await;
+    assert_eq!(code, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(
+        body["errors"]["since"][0]
+            .as_str()
+            .unwrap()
+            .contains("RFC 3339"),
+        "{body}"
+    );
+    let (code, body) = send(replay("1").query(&[("since", "2999-01-01")])).await;
+    assert_eq!(code, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        body["errors"]["since"],
+        json!(["`2999-01-01` is in the future"])
+    );
+    let (code, body) = send(replay("1").query(&[("tenant", "2")])).await;
+    assert_eq!(code, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    let (code, body) = send(replay("1").body("{not json")).await;
+    assert_eq!(code, StatusCode::BAD_REQUEST);
+    assert!(body["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("request body is not a replay request"));
+
+    let (code, body) = send(replay("1").query(&[("resource", "vouchers"), ("since", "1h")])).await;
+    assert_eq!(code, StatusCode::ACCEPTED, "{body}");
+    assert_eq!(body["tenant"], 1);
+    let replays = body["replays"].as_array().unwrap();
+    assert_eq!(replays.len(), 1);
+    assert_eq!(replays[0]["resource"], "vouchers");
+    assert_eq!(replays[0]["replay_id"].as_str().unwrap().len(), 32);
+    assert!(replays[0]["since"].is_string());
+
+    let (code, _) = send(http.get(format!("{admin}/v1/tenants/1/replay"))).await;
+    assert_eq!(code, StatusCode::METHOD_NOT_ALLOWED);
+    let (code, body) = send(http.get(format!("{admin}/v2/everything"))).await;
+    assert_eq!(code, StatusCode::NOT_FOUND);
+    assert!(body["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("no such endpoint"));
+    daemon.stop().await;
+}
