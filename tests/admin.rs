@@ -9,7 +9,7 @@ use std::time::Duration;
 use reqwest::{Client, StatusCode};
 use serde_json::{json, Value};
 
-use common::{daemon_toml, set_key, spawn_daemon, spawn_small_simulator, wait_until, FAST_POLL};
+use common::{set_key, sim_toml, spawn_daemon, spawn_small_simulator, wait_until};
 
 const TOKEN: &str = "admin-test-token";
 
@@ -25,15 +25,7 @@ async fn send(request: reqwest::RequestBuilder) -> (StatusCode, Value) {
 async fn v1_endpoints_require_the_admin_token_while_probes_and_metrics_stay_open() {
     let sim = spawn_small_simulator(1).await;
     let dir = tempfile::tempdir().unwrap();
-    let toml = daemon_toml(
-        &sim.base_url(),
-        sim.token(),
-        dir.path(),
-        &[1],
-        "127.0.0.1:0",
-        FAST_POLL,
-        "",
-    );
+    let toml = sim_toml(&sim, dir.path(), &[1]);
     let mut daemon = spawn_daemon(&set_key(&toml, "admin.token", TOKEN)).await;
     let admin = daemon.admin_url.clone();
     let http = Client::new();
@@ -89,15 +81,8 @@ async fn v1_endpoints_require_the_admin_token_while_probes_and_metrics_stay_open
 async fn replay_requests_are_validated_with_json_errors_naming_the_field() {
     let sim = spawn_small_simulator(2).await;
     let dir = tempfile::tempdir().unwrap();
-    let toml = daemon_toml(
-        &sim.base_url(),
-        sim.token(),
-        dir.path(),
-        &[1],
-        "127.0.0.1:0",
-        FAST_POLL,
-        "\n[[tenants]]\nid = 2\nresources = [\"vouchers\"]\n",
-    );
+    let toml =
+        sim_toml(&sim, dir.path(), &[1]) + "\n[[tenants]]\nid = 2\nresources = [\"vouchers\"]\n";
     let mut daemon = spawn_daemon(&toml).await;
     let admin = daemon.admin_url.clone();
     let http = Client::new();

@@ -13,8 +13,8 @@ use voucher_cdc::state::{SledStore, StateStore};
 use voucher_cdc::stream::{Resource, StreamKey};
 
 use common::{
-    daemon_toml, free_port, read_events, run_cli, set_key, spawn_cli, spawn_daemon,
-    spawn_small_simulator, wait_until, FAST_POLL,
+    daemon_toml, free_port, read_events, run_cli, set_key, sim_toml, spawn_cli, spawn_daemon,
+    spawn_small_simulator, wait_until,
 };
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -27,15 +27,7 @@ fn write_config(dir: &Path, toml: &str) -> String {
 
 /// A valid config of tenant 1 against an upstream nobody serves.
 fn offline_toml(dir: &Path) -> String {
-    daemon_toml(
-        "http://127.0.0.1:9/api/external/v1",
-        "t",
-        dir,
-        &[1],
-        "127.0.0.1:0",
-        FAST_POLL,
-        "",
-    )
+    daemon_toml("http://127.0.0.1:9/api/external/v1", "t", dir, &[1])
 }
 
 #[test]
@@ -163,15 +155,9 @@ async fn run_stops_cleanly_with_exit_0_on_sigterm_and_no_secret_reaches_trace_lo
     );
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
-    let toml = daemon_toml(
-        &sim.base_url(),
-        upstream_token,
-        dir.path(),
-        &[1, 2],
-        &format!("127.0.0.1:{port}"),
-        FAST_POLL,
-        "\n[log]\nformat = \"json\"\nlevel = \"trace\"\n",
-    );
+    let toml = daemon_toml(&sim.base_url(), upstream_token, dir.path(), &[1, 2])
+        + "\n[log]\nformat = \"json\"\nlevel = \"trace\"\n";
+    let toml = set_key(&toml, "admin.listen", format!("127.0.0.1:{port}"));
     let toml = set_key(&toml, "admin.token", admin_token);
     let config = write_config(dir.path(), &toml);
     let mut daemon = spawn_cli(&["run", "--config", &config]);
@@ -241,14 +227,10 @@ async fn status_and_replay_go_through_the_admin_api_while_a_daemon_runs_and_to_t
     let sim = spawn_small_simulator(2).await;
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
-    let toml = daemon_toml(
-        &sim.base_url(),
-        sim.token(),
-        dir.path(),
-        &[1, 2],
-        &format!("127.0.0.1:{port}"),
-        FAST_POLL,
-        "",
+    let toml = set_key(
+        &sim_toml(&sim, dir.path(), &[1, 2]),
+        "admin.listen",
+        format!("127.0.0.1:{port}"),
     );
     let toml = set_key(&toml, "admin.token", "cli-admin-token");
     let config = write_config(dir.path(), &toml);

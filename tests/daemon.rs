@@ -103,9 +103,6 @@ async fn start_synced(
         token.unwrap_or(sim.token()),
         dir.path(),
         tenants,
-        "127.0.0.1:0",
-        common::FAST_POLL,
-        "",
     );
     let daemon = spawn_daemon(&toml).await;
     if token.is_none() {

@@ -12,7 +12,7 @@ use voucher_cdc::admin::StatusReport;
 use voucher_cdc::simulator::SimulatorOptions;
 use voucher_cdc::stream::Resource;
 
-use common::{daemon_toml, spawn_daemon, spawn_simulator_with, wait_until};
+use common::{set_key, sim_toml, spawn_daemon, spawn_simulator_with, wait_until};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -189,16 +189,9 @@ async fn metrics_parse_and_their_counters_match_the_events_and_the_requests() {
     .await;
     let dir = tempfile::tempdir().unwrap();
     // One sweep per stream at start, then only what the test asks for.
-    let poll = "interval = \"1h\"\nfull_resync_interval = \"1h\"\n";
-    let toml = daemon_toml(
-        &sim.base_url(),
-        sim.token(),
-        dir.path(),
-        &[1, 2],
-        "127.0.0.1:0",
-        poll,
-        "",
-    );
+    let toml = sim_toml(&sim, dir.path(), &[1, 2]);
+    let toml = set_key(&toml, "poll.interval", "1h");
+    let toml = set_key(&toml, "poll.full_resync_interval", "1h");
     let mut daemon = spawn_daemon(&toml).await;
     let admin = daemon.admin_url.clone();
     let client = reqwest::Client::new();

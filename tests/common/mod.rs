@@ -74,26 +74,10 @@ impl TestDaemon {
     }
 }
 
-/// The `[poll]` body of test daemons: sweeps every 200ms, a full sweep every 2s.
-pub const FAST_POLL: &str = r#"interval = "200ms"
-full_resync_interval = "2s"
-lookback = "1s"
-park_recheck_interval = "1s"
-shutdown_timeout = "10s"
-"#;
-
-/// The TOML of a test daemon: file sink and state in `dir`, admin on
-/// `admin_listen`, `poll` as the `[poll]` table's body (e.g. [`FAST_POLL`]);
-/// `extra` is appended (more tables such as `[log]` or `[[tenants]]`).
-pub fn daemon_toml(
-    base_url: &str,
-    token: &str,
-    dir: &std::path::Path,
-    tenants: &[u64],
-    admin_listen: &str,
-    poll: &str,
-    extra: &str,
-) -> String {
+/// The TOML of a test daemon: file sink and state in `dir`, admin API on a
+/// free loopback port, sweeps every 200ms and a full sweep every 2s. Tables
+/// may be appended (`[log]`, more `[[tenants]]`); keys changed with [`set_key`].
+pub fn daemon_toml(base_url: &str, token: &str, dir: &std::path::Path, tenants: &[u64]) -> String {
     let mut toml = format!(
         r#"
 [upstream]
@@ -103,7 +87,12 @@ requests_per_minute = 60000
 max_attempts = 2
 
 [poll]
-{poll}
+interval = "200ms"
+full_resync_interval = "2s"
+lookback = "1s"
+park_recheck_interval = "1s"
+shutdown_timeout = "10s"
+
 [state]
 path = "{state}"
 
@@ -114,7 +103,7 @@ kind = "file"
 path = "{events}"
 
 [admin]
-listen = "{admin_listen}"
+listen = "127.0.0.1:0"
 "#,
         state = dir.join("state").display(),
         events = dir.join("events.jsonl").display(),
@@ -122,8 +111,12 @@ listen = "{admin_listen}"
     for t in tenants {
         toml.push_str(&format!("\n[[tenants]]\nid = {t}\n"));
     }
-    toml.push_str(extra);
     toml
+}
+
+/// [`daemon_toml`] against `sim` with its all-powerful token.
+pub fn sim_toml(sim: &Simulator, dir: &std::path::Path, tenants: &[u64]) -> String {
+    daemon_toml(&sim.base_url(), sim.token(), dir, tenants)
 }
 
 /// Starts a daemon in-process on `toml` (admin port 0 is fine) and waits until its admin API answers.
