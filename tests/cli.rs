@@ -352,3 +352,66 @@ async fn status_and_replay_go_through_the_admin_api_while_a_daemon_runs_and_to_t
     .await;
     daemon.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_once_sweeps_every_stream_once_and_exits_1_naming_each_failed_stream() {
+    let sim = spawn_small_simulator(3).await;
+    sim.add_token(
+        "not-tenant-3",
+        Some(vec![1, 2]),
+        &voucher_cdc::simulator::Permission::ALL,
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let toml = daemon_toml(&sim.base_url(), "not-tenant-3", dir.path(), &[1, 2, 3]);
+    let config = write_config(dir.path(), &toml);
+    let events = dir.path().join("events.jsonl");
+
+    let (code, _, stderr) = run_cli(&["run", "--once", "--config", &config]);
+    assert_eq!(code, 1, "{stderr}");
+    let errors: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("error: "))
+        .collect();
+    assert_eq!(errors.len(), 2, "{stderr}");
+    assert!(
+        errors[0].starts_with("error: stream 3/vouchers: parked: upstream returned 40"),
+        "{stderr}"
+    );
+    assert!(
+        errors[1].starts_with("error: stream 3/categories: parked: upstream returned 40"),
+        "{stderr}"
+    );
+    assert_eq!(read_events(&events).len(), 2 * (20 + 5));
+    // Without a TTY: plain progress lines, and one result line per stream.
+    assert!(
+        stderr
+            .lines()
+            .any(|l| l == "1/vouchers: done: full sweep, 1 pages, 20 records, 20 events"),
+        "{stderr}"
+    );
+
+    let two_tenants = daemon_toml(&sim.base_url(), "not-tenant-3", dir.path(), &[1, 2]);
+    let config = write_config(
+        dir.path(),
+        &set_key(&two_tenants, "poll.full_resync_interval", "1h"),
+    );
+    let changed = sim.record_ids(2, Resource::Categories)[2];
+    sim.update(2, Resource::Categories, changed);
+    let (code, _, stderr) = run_cli(&["run", "--once", "--config", &config]);
+    assert_eq!(code, 0, "{stderr}");
+    let all = read_events(&events);
+    assert_eq!(
+        all.len(),
+        2 * (20 + 5) + 1,
+        "exactly the one change: {:?}",
+        &all[50..]
+    );
+    assert_eq!(all[50]["op"], "update");
+    assert_eq!(all[50]["subject"], changed.to_string());
+    assert!(
+        stderr
+            .lines()
+            .any(|l| l.starts_with("2/categories: done: incremental sweep")),
+        "{stderr}"
+    );
+}
