@@ -17,7 +17,8 @@ use voucher_cdc::state::sled_store::SledStore;
 use voucher_cdc::state::{Intent, RecordState, StateError, StateStore, StreamState, Tombstone};
 use voucher_cdc::stream::{Resource, StreamKey};
 use voucher_cdc::sweep::{schedule_replay, SweepError, SweepKind, SweepSettings, Sweeper};
-use voucher_cdc::upstream::client::{ClientOptions, RateBudget, SecretToken, UpstreamClient};
+use voucher_cdc::upstream::client::{ClientOptions, SecretToken, UpstreamClient};
+use voucher_cdc::upstream::ratelimit::RateBudget;
 
 const V: Resource = Resource::Vouchers;
 const C: Resource = Resource::Categories;
