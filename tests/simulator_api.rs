@@ -977,3 +977,332 @@ async fn data_is_deterministic_from_the_seed_and_realistic() {
         sim.shutdown().await;
     }
 }
+
+async fn redeem(
+    client: &reqwest::Client,
+    sim: &voucher_cdc::simulator::Simulator,
+    tenant: u64,
+    body: Value,
+) -> (u16, Value) {
+    let response = client
+        .post(format!("{}/tenants/{tenant}/redemptions", sim.base_url()))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap())
+}
+
+#[tokio::test]
+async fn redemptions_honour_balances_part_redeem_and_voucher_state() {
+    use voucher_cdc::upstream::model::{RedemptionResult, Single};
+    let sim = spawn_simulator().await;
+    let client = simulator_client(sim.token());
+    // Fixed states: 5001 monetary part, 5002 monetary full-only, 5003 experience,
+    // 5004 void, 5005 expired, 5006 already redeemed.
+    let part = sim.purchased_voucher(1, 5001).unwrap();
+    assert_eq!(part.allow_part_redeem, Some(true));
+    let balance = part.current_balance.unwrap();
+
+    let (status, body) = redeem(
+        &client,
+        &sim,
+        1,
+        serde_json::json!({"voucher_id": 5001, "amount": 10.5}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let result: Single<RedemptionResult> = serde_json::from_value(body).unwrap();
+    assert_eq!(result.data.status, "redeemed");
+    assert_eq!(result.data.voucher.current_balance, Some(balance - 10.5));
+    assert_eq!(
+        result.data.voucher.redemption_status.as_deref(),
+        Some("part_redeemed")
+    );
+    assert_eq!(result.data.tenant.id, 1);
+
+    let (status, body) = redeem(
+        &client,
+        &sim,
+        1,
+        serde_json::json!({"voucher_id": 5001, "amount": 1000}),
+    )
+    .await;
+    assert_eq!(status, 422);
+    assert_validation_error(&body, "amount", "insufficient balance");
+
+    let token = sim.redemption_token(1, 5001).unwrap();
+    let (status, body) = redeem(
+        &client,
+        &sim,
+        1,
+        serde_json::json!({"redemption_token": token}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["data"]["voucher"]["current_balance"], 0.0);
+    assert_eq!(body["data"]["reason_code"], "full_redemption");
+
+    let (status, body) = redeem(
+        &client,
+        &sim,
+        1,
+        serde_json::json!({"voucher_id": 5002, "amount": 1}),
+    )
+    .await;
+    assert_eq!(status, 422);
+    assert_validation_error(&body, "amount", "part redemption is not allowed");
+    let (status, _) = redeem(&client, &sim, 1, serde_json::json!({"voucher_id": 5002})).await;
+    assert_eq!(status, 200);
+
+    let (status, _) = redeem(&client, &sim, 1, serde_json::json!({"voucher_id": 5003})).await;
+    assert_eq!(status, 200, "an experience voucher is redeemed whole");
+
+    for (id, needle) in [
+        (5004, "void"),
+        (5005, "expired"),
+        (5006, "already fully redeemed"),
+        (5001, "already fully redeemed"),
+    ] {
+        let (status, body) = redeem(&client, &sim, 1, serde_json::json!({"voucher_id": id})).await;
+        assert_eq!(status, 422, "{id}");
+        assert_validation_error(&body, "voucher_id", needle);
+    }
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn bad_redeem_requests_get_the_spec_status_and_body() {
+    let sim = spawn_simulator().await;
+    let client = simulator_client(sim.token());
+    let other_tenant_token = sim.redemption_token(2, 5001).unwrap();
+    let cases = [
+        (
+            serde_json::json!({}),
+            "voucher_id",
+            "either redemption_token or voucher_id",
+        ),
+        (
+            serde_json::json!({"voucher_id": "5001"}),
+            "voucher_id",
+            "positive integer",
+        ),
+        (
+            serde_json::json!({"voucher_id": 5001, "amount": "ten"}),
+            "amount",
+            "number",
+        ),
+        (
+            serde_json::json!({"voucher_id": 5001, "amount": 0}),
+            "amount",
+            "positive",
+        ),
+        (
+            serde_json::json!({"voucher_id": 5001, "amount": 1.234}),
+            "amount",
+            "2 decimals",
+        ),
+        (
+            serde_json::json!({"voucher_id": 5001, "colour": "red"}),
+            "colour",
+            "unknown field",
+        ),
+        (
+            serde_json::json!({"redemption_token": "rt_5001_deadbeef"}),
+            "redemption_token",
+            "invalid or expired",
+        ),
+        (
+            serde_json::json!({"redemption_token": other_tenant_token}),
+            "redemption_token",
+            "invalid or expired",
+        ),
+        (
+            serde_json::json!({"redemption_token": sim.redemption_token(1, 5001).unwrap(), "voucher_id": 5002}),
+            "voucher_id",
+            "does not match",
+        ),
+        (serde_json::json!([1, 2]), "body", "JSON object"),
+    ];
+    for (body, field, needle) in cases {
+        let (status, response) = redeem(&client, &sim, 1, body.clone()).await;
+        assert_eq!(status, 422, "{body}");
+        assert_validation_error(&response, field, needle);
+    }
+    let (status, body) = redeem(&client, &sim, 1, serde_json::json!({"voucher_id": 999999})).await;
+    assert_eq!(status, 404);
+    assert_message_error(&body, "voucher 999999 not found");
+
+    let url = format!("{}/tenants/1/redemptions", sim.base_url());
+    let response = client
+        .post(&url)
+        .header("content-type", "application/json")
+        .body("{\"voucher_id\":")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 422);
+    assert_validation_error(&response.json().await.unwrap(), "body", "not valid JSON");
+    let response = client
+        .post(&url)
+        .body("voucher_id=5001")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 415);
+    assert_message_error(
+        &response.json().await.unwrap(),
+        "Content-Type: application/json",
+    );
+    let response = client
+        .post(&url)
+        .header("content-type", "application/json")
+        .body(vec![b' '; 100 * 1024])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 413);
+    assert_message_error(&response.json().await.unwrap(), "body");
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn no_malformed_request_produces_a_500_or_a_non_json_body() {
+    let sim = spawn_simulator().await;
+    let client = simulator_client(sim.token());
+    let base = format!("http://{}", sim.addr());
+    let paths = [
+        "/api/external/v1/tenants/1/catalog/vouchers?%",
+        "/api/external/v1/tenants/1/catalog/vouchers?&&&=&=",
+        "/api/external/v1/tenants/1/catalog/vouchers?updated_since=%00",
+        "/api/external/v1/tenants/1/catalog/vouchers?cursor=%FF%FE",
+        "/api/external/v1/tenants/1/catalog/vouchers?include=,,,",
+        "/api/external/v1/tenants/1/catalog/vouchers?updated_since=99999-01-01T00:00:00Z",
+        "/api/external/v1/tenants/1/catalog/vouchers?updated_since=-0001-01-01T00:00:00Z",
+        "/api/external/v1/tenants/%FF/catalog/vouchers",
+        "/api/external/v1/tenants/1/catalog/vouchers/%C0",
+        "/api/external/v1/tenants/1/catalog/vouchers/9223372036854775808",
+        "/api/external/v1/tenants/18446744073709551615/catalog/vouchers",
+        "/api/external/v1/tenants//catalog/vouchers",
+        "/api/external/v1//tenants/1/catalog/vouchers",
+        "/api/external/v1/tenants/1/catalog/vouchers/1/extra",
+        "/api/external/v1/%2e%2e/etc/passwd",
+        "/api/external/v1",
+        "/favicon.ico",
+    ];
+    for path in paths {
+        for method in [
+            reqwest::Method::GET,
+            reqwest::Method::POST,
+            reqwest::Method::PUT,
+            reqwest::Method::HEAD,
+        ] {
+            let response = client
+                .request(method.clone(), format!("{base}{path}"))
+                .header("content-type", "application/json")
+                .body("{}")
+                .send()
+                .await
+                .unwrap();
+            let status = response.status().as_u16();
+            assert!(status < 500, "{method} {path} gave {status}");
+            if method != reqwest::Method::HEAD && status != 200 {
+                let text = response.text().await.unwrap();
+                let body: Value = serde_json::from_str(&text)
+                    .unwrap_or_else(|_| panic!("{method} {path}: {text}"));
+                assert!(body["message"].is_string(), "{method} {path}: {text}");
+            }
+        }
+    }
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn run_serves_until_its_shutdown_future_completes() {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: voucher_cdc::simulator::SimulateArgs,
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let cli = Cli::try_parse_from([
+        "simulate",
+        "--listen",
+        &format!("127.0.0.1:{port}"),
+        "--tenants",
+        "2",
+        "--vouchers",
+        "30",
+        "--categories",
+        "4",
+        "--changes-per-minute",
+        "0",
+        "--seed",
+        "9",
+        "--token",
+        "t0k",
+        "--rate-limit",
+        "0",
+        "--fail-rate",
+        "0",
+        "--latency",
+        "1ms",
+    ])
+    .unwrap();
+    assert_eq!(cli.args.latency, std::time::Duration::from_millis(1));
+    assert!(Cli::try_parse_from(["simulate", "--fail-rate", "1.5"]).is_err());
+    assert!(Cli::try_parse_from(["simulate", "--tenants", "0"]).is_err());
+    assert!(Cli::try_parse_from(["simulate", "--latency", "soon"]).is_err());
+    let defaults = Cli::try_parse_from(["simulate"]).unwrap().args;
+    assert_eq!(defaults.listen.to_string(), "127.0.0.1:8080");
+    assert_eq!(
+        (
+            defaults.tenants,
+            defaults.vouchers,
+            defaults.categories,
+            defaults.rate_limit
+        ),
+        (3, 200, 20, 120)
+    );
+    assert_eq!((defaults.seed, defaults.token.as_str()), (42, "sim-token"));
+
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(voucher_cdc::simulator::run(cli.args, async move {
+        let _ = stopped.await;
+    }));
+    let client = simulator_client("t0k");
+    let url = format!("http://127.0.0.1:{port}/api/external/v1/tenants/2/catalog/vouchers");
+    let mut status = 0;
+    for _ in 0..100 {
+        if let Ok(response) = client.get(&url).send().await {
+            status = response.status().as_u16();
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(status, 200);
+    assert_eq!(
+        fetch_status(
+            &client,
+            &format!("http://127.0.0.1:{port}/api/external/v1/tenants/3/catalog/vouchers")
+        )
+        .await,
+        404
+    );
+    stop.send(()).unwrap();
+    tokio::time::timeout(std::time::Duration::from_secs(10), server)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+}
+
+async fn fetch_status(client: &reqwest::Client, url: &str) -> u16 {
+    client.get(url).send().await.unwrap().status().as_u16()
+}
