@@ -623,6 +623,11 @@ impl Parser<'_, '_> {
     /// in `digits`, except that an exponent in 0..=15 is written as plain
     /// trailing zeros (so integers look like integers). Zero is `0`.
     fn number(&mut self) -> Result<(), DiffError> {
+        let number_start = self.pos;
+        let out_of_range = DiffError::InvalidJson {
+            offset: number_start,
+            reason: "number exponent out of range",
+        };
         let negative = self.peek() == Some(b'-');
         if negative {
             self.pos += 1;
@@ -672,7 +677,7 @@ impl Parser<'_, '_> {
                 exponent = exponent
                     .checked_mul(10)
                     .and_then(|e| e.checked_add(i64::from(d - b'0')))
-                    .ok_or_else(|| self.error("number exponent out of range"))?;
+                    .ok_or_else(|| out_of_range.clone())?;
             }
             if exp_negative {
                 exponent = -exponent;
@@ -700,10 +705,7 @@ impl Parser<'_, '_> {
                     .ok()
                     .and_then(|f| e.checked_sub(f))
             })
-            .ok_or_else(|| DiffError::InvalidJson {
-                offset: self.pos,
-                reason: "number exponent out of range",
-            })?;
+            .ok_or(out_of_range)?;
         let out = &mut self.scratch.out;
         if negative {
             out.push(b'-');
@@ -763,3 +765,501 @@ fn write_char(out: &mut Vec<u8>, ch: char) {
 }
 
 const HEX: &[u8; 16] = b"0123456789abcdef";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    fn hash(raw: &str) -> ContentHash {
+        content_hash(raw, &IgnoreKeys::default()).unwrap()
+    }
+
+    fn canonical(raw: &str) -> String {
+        let mut out = Vec::new();
+        canonical_json(raw, &IgnoreKeys::none(), &mut out).unwrap();
+        String::from_utf8(out).unwrap()
+    }
+
+    fn error(raw: &str) -> String {
+        content_hash(raw, &IgnoreKeys::default())
+            .unwrap_err()
+            .to_string()
+    }
+
+    #[test]
+    fn canonical_form_sorts_keys_drops_whitespace_and_normalises_numbers() {
+        assert_eq!(
+            canonical(" { \"b\" : 1 , \"a\" : [ 2.50 , { \"y\" : null , \"x\" : true } ] } "),
+            r#"{"a":[25e-1,{"x":true,"y":null}],"b":1}"#
+        );
+        assert_eq!(
+            canonical("[120, 1200000000000000000, 1e16, 0.001, -0.0]"),
+            "[120,12e17,1e16,1e-3,0]"
+        );
+    }
+
+    #[test]
+    fn equal_numbers_in_any_notation_hash_the_same() {
+        let forms = [
+            "25", "25.0", "25.00", "2.5e1", "2.5E+1", "250e-1", "0.25e2", "25000e-3",
+        ];
+        for form in forms {
+            assert_eq!(
+                hash(&format!("{{\"price\":{form}}}")),
+                hash("{\"price\":25}"),
+                "{form}"
+            );
+        }
+        for zero in ["0", "-0", "0.0", "-0.000", "0e10", "0E-3"] {
+            assert_eq!(hash(&format!("[{zero}]")), hash("[0]"), "{zero}");
+        }
+        assert_ne!(hash("[25]"), hash("[-25]"));
+        assert_ne!(hash("[25]"), hash("[2.5]"));
+        assert_ne!(hash("[25]"), hash("[\"25\"]"));
+    }
+
+    #[test]
+    fn integers_beyond_two_to_the_53_stay_exact() {
+        assert_ne!(hash("[9007199254740993]"), hash("[9007199254740992]"));
+        assert_eq!(hash("[9007199254740993]"), hash("[9007199254740993.000]"));
+        assert_ne!(
+            hash("[123456789012345678901234567890]"),
+            hash("[123456789012345678901234567891]")
+        );
+        assert_eq!(hash("[1e400]"), hash("[10e399]"));
+    }
+
+    #[test]
+    fn strings_hash_by_value_whatever_their_escapes() {
+        assert_eq!(hash(r#"["é"]"#), hash(r#"["\u00e9"]"#));
+        assert_eq!(hash(r#"["é"]"#), hash(r#"["\u00E9"]"#));
+        assert_eq!(hash(r#"["a/b"]"#), hash(r#"["a\/b"]"#));
+        assert_eq!(hash(r#"["A\n"]"#), hash(r#"["\u0041\u000a"]"#));
+        assert_eq!(hash(r#"["😀"]"#), hash(r#"["\ud83d\ude00"]"#));
+        assert_eq!(canonical(r#"["\u001f\"\\\b"]"#), r#"["\u001f\"\\\b"]"#);
+        // A lone surrogate stays a (canonical) escape, distinct from U+FFFD.
+        assert_eq!(canonical(r#"["\uD800x"]"#), r#"["\ud800x"]"#);
+        assert_ne!(hash(r#"["\ud800"]"#), hash("[\"\u{fffd}\"]"));
+    }
+
+    #[test]
+    fn ignored_keys_are_dropped_at_any_depth_including_objects_in_arrays() {
+        let a = r#"{"id":1,"updated_at":"2024-01-01T00:00:00Z","variants":[{"id":2,"updated_at":"x"}],"n":{"updated_at":1}}"#;
+        let b = r#"{"id":1,"updated_at":"2025-06-01T00:00:00Z","variants":[{"id":2,"updated_at":null}],"n":{}}"#;
+        assert_eq!(hash(a), hash(b));
+        assert_ne!(
+            content_hash(a, &IgnoreKeys::none()).unwrap(),
+            content_hash(b, &IgnoreKeys::none()).unwrap()
+        );
+        let custom = IgnoreKeys::new(["rank", "updated_at"]);
+        assert_eq!(
+            content_hash(r#"{"a":1,"rank":5}"#, &custom).unwrap(),
+            content_hash(r#"{"rank":7,"a":1}"#, &custom).unwrap()
+        );
+        // The key is matched by value, however it is escaped.
+        assert_eq!(hash(r#"{"a":1,"updated\u005fat":5}"#), hash(r#"{"a":1}"#));
+        // A string *value* equal to an ignored key name is kept.
+        assert_ne!(hash(r#"["updated_at"]"#), hash("[]"));
+    }
+
+    #[test]
+    fn dropping_the_first_member_leaves_valid_canonical_json() {
+        let mut out = Vec::new();
+        canonical_json(
+            r#"{"updated_at":1,"b":2,"a":1}"#,
+            &IgnoreKeys::default(),
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(out, br#"{"a":1,"b":2}"#);
+        canonical_json(r#"{"updated_at":1}"#, &IgnoreKeys::default(), &mut out).unwrap();
+        assert_eq!(out, b"{}");
+    }
+
+    #[test]
+    fn invalid_json_is_reported_with_the_byte_offset_and_cause() {
+        assert_eq!(
+            error(r#"{"a":}"#),
+            "invalid json at byte 5: expected a json value"
+        );
+        assert_eq!(
+            error(r#"{"a" 1}"#),
+            "invalid json at byte 5: expected ':' after object key"
+        );
+        assert_eq!(
+            error("[1,2"),
+            "invalid json at byte 4: unexpected end of input inside an array"
+        );
+        assert_eq!(
+            error("[01]"),
+            "invalid json at byte 2: leading zero in number"
+        );
+        assert_eq!(
+            error("[1.]"),
+            "invalid json at byte 3: expected a digit after the decimal point"
+        );
+        assert_eq!(
+            error("[1e]"),
+            "invalid json at byte 3: expected a digit in the exponent"
+        );
+        assert_eq!(
+            error("{} x"),
+            "invalid json at byte 3: trailing characters after the json value"
+        );
+        assert_eq!(
+            error("[tru]"),
+            "invalid json at byte 1: invalid literal, expected true, false or null"
+        );
+        assert_eq!(
+            error("\"a\nb\""),
+            "invalid json at byte 2: control character inside a string"
+        );
+        assert_eq!(
+            error(r#"["\x"]"#),
+            "invalid json at byte 3: invalid escape in string"
+        );
+        assert_eq!(
+            error(r#"["\u12"]"#),
+            "invalid json at byte 4: invalid hex digit in \\u escape"
+        );
+        assert_eq!(
+            error("{1:2}"),
+            "invalid json at byte 1: expected a string key in object"
+        );
+        assert_eq!(
+            error(""),
+            "invalid json at byte 0: unexpected end of input, expected a json value"
+        );
+        assert_eq!(
+            error("[1e99999999999999999999]"),
+            "invalid json at byte 1: number exponent out of range"
+        );
+        let deep = "[".repeat(200) + &"]".repeat(200);
+        assert_eq!(
+            error(&deep),
+            "invalid json at byte 128: nesting deeper than 128 levels"
+        );
+    }
+
+    #[test]
+    fn content_hash_round_trips_through_hex_and_serde() {
+        let h = hash(r#"{"id":1}"#);
+        assert_eq!(h.to_hex().len(), 32);
+        assert_eq!(h.to_string(), h.to_hex());
+        assert_eq!(ContentHash::from_hex(&h.to_hex()).unwrap(), h);
+        assert_eq!(h.to_hex().parse::<ContentHash>().unwrap(), h);
+        let json = serde_json::to_string(&h).unwrap();
+        assert_eq!(json, format!("\"{h}\""));
+        assert_eq!(serde_json::from_str::<ContentHash>(&json).unwrap(), h);
+        let err = ContentHash::from_hex("xyz").unwrap_err().to_string();
+        assert!(err.starts_with("invalid content hash `xyz`: "), "{err}");
+        assert!(serde_json::from_str::<ContentHash>("\"00\"").is_err());
+    }
+
+    #[test]
+    fn decide_follows_the_sweep_mode_table() {
+        let a = ContentHash([1; 16]);
+        let b = ContentHash([2; 16]);
+        use Decision::*;
+        use SweepMode::*;
+        let emit = |op, previous| Emit { op, previous };
+        let cases = [
+            (FirstSync, None, emit(Op::Snapshot, None)),
+            (FirstSync, Some(a), Unchanged),
+            (FirstSync, Some(b), emit(Op::Snapshot, Some(b))),
+            (Normal, None, emit(Op::Create, None)),
+            (Normal, Some(a), Unchanged),
+            (Normal, Some(b), emit(Op::Update, Some(b))),
+            (Replay, None, emit(Op::Snapshot, None)),
+            (Replay, Some(a), emit(Op::Snapshot, Some(a))),
+            (Replay, Some(b), emit(Op::Snapshot, Some(b))),
+        ];
+        for (mode, known, expected) in cases {
+            assert_eq!(decide(known, a, mode), expected, "{mode:?} known={known:?}");
+        }
+    }
+
+    #[test]
+    fn canonical_json_agrees_with_serde_json_on_a_voucher_record() {
+        let raw = r#"{"id":7,"slug":"spa-day","title":"Spa \u0044ay","price":25.00,"sale_price":null,
+            "image_urls":["https:\/\/x\/1.jpg"],"category_refs":[{"id":3,"slug":"s","title":"T","sort_order":1}],
+            "variant_summaries":[],"is_monetary":false,"updated_at":"2024-05-01T10:00:00Z"}"#;
+        let mut out = Vec::new();
+        canonical_json(raw, &IgnoreKeys::none(), &mut out).unwrap();
+        let ours: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        let theirs: serde_json::Value = serde_json::from_str(raw).unwrap();
+        // Same document except the number notation of the price.
+        assert_eq!(ours["title"], theirs["title"]);
+        assert_eq!(ours["image_urls"], theirs["image_urls"]);
+        assert_eq!(ours["category_refs"], theirs["category_refs"]);
+        assert_eq!(ours["price"].as_f64(), theirs["price"].as_f64());
+    }
+
+    // ---- properties -------------------------------------------------------
+
+    /// A JSON value model; numbers are `(negative, mantissa, exponent)`.
+    #[derive(Debug, Clone)]
+    enum J {
+        Null,
+        Bool(bool),
+        Num(bool, u64, i32),
+        Str(String),
+        Arr(Vec<J>),
+        Obj(Vec<(String, J)>),
+    }
+
+    fn key_strategy() -> impl Strategy<Value = String> {
+        prop_oneof![
+            "[a-z_]{1,8}",
+            any::<String>().prop_map(|s| s.chars().take(6).collect()),
+        ]
+        .prop_filter("not an ignored key", |k| k != "updated_at")
+    }
+
+    fn json_strategy() -> impl Strategy<Value = J> {
+        let leaf = prop_oneof![
+            Just(J::Null),
+            any::<bool>().prop_map(J::Bool),
+            (any::<bool>(), any::<u64>(), -30i32..30).prop_map(|(n, m, e)| J::Num(n, m, e)),
+            (any::<bool>(), 0u64..1000, 0i32..3).prop_map(|(n, m, e)| J::Num(n, m, e)),
+            any::<String>().prop_map(J::Str),
+        ];
+        leaf.prop_recursive(4, 48, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(J::Arr),
+                prop::collection::vec((key_strategy(), inner), 0..6).prop_map(|members| {
+                    let mut seen = std::collections::HashSet::new();
+                    J::Obj(
+                        members
+                            .into_iter()
+                            .filter(|(k, _)| seen.insert(k.clone()))
+                            .collect(),
+                    )
+                }),
+            ]
+        })
+    }
+
+    /// Renders `j` as JSON; with `rng`, varies key order, number notation,
+    /// string escapes and whitespace, and adds ignored keys.
+    fn render(j: &J, rng: &mut Option<StdRng>, out: &mut String) {
+        let ws = |rng: &mut Option<StdRng>, out: &mut String| {
+            if let Some(r) = rng {
+                for _ in 0..r.random_range(0..3) {
+                    out.push([' ', '\n', '\t', '\r'][r.random_range(0..4)]);
+                }
+            }
+        };
+        ws(rng, out);
+        match j {
+            J::Null => out.push_str("null"),
+            J::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+            J::Num(neg, m, e) => render_number(*neg, *m, *e, rng, out),
+            J::Str(s) => render_string(s, rng, out),
+            J::Arr(items) => {
+                out.push('[');
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    render(item, rng, out);
+                }
+                out.push(']');
+            }
+            J::Obj(members) => {
+                let mut members: Vec<(String, J)> = members.clone();
+                if let Some(r) = rng {
+                    for i in (1..members.len()).rev() {
+                        members.swap(i, r.random_range(0..=i));
+                    }
+                    if r.random_bool(0.3) {
+                        let at = r.random_range(0..=members.len());
+                        members.insert(at, ("updated_at".into(), J::Num(false, r.random(), 0)));
+                    }
+                }
+                out.push('{');
+                for (i, (k, v)) in members.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    render_string(k, rng, out);
+                    ws(rng, out);
+                    out.push(':');
+                    render(v, rng, out);
+                }
+                out.push('}');
+            }
+        }
+        ws(rng, out);
+    }
+
+    fn render_number(neg: bool, m: u64, e: i32, rng: &mut Option<StdRng>, out: &mut String) {
+        let Some(r) = rng else {
+            out.push_str(&format!("{}{m}e{e}", if neg { "-" } else { "" }));
+            return;
+        };
+        // value = m * 10^e; pad the mantissa with zeros, then place the point.
+        let pad = r.random_range(0..4usize);
+        let digits = format!("{m}{}", "0".repeat(pad));
+        let exp = i64::from(e) - pad as i64;
+        let point = r.random_range(0..=digits.len());
+        let (int, frac) = digits.split_at(point);
+        let int = int.trim_start_matches('0');
+        let shown_exp = exp + frac.len() as i64;
+        if neg {
+            out.push('-');
+        }
+        out.push_str(if int.is_empty() { "0" } else { int });
+        if !frac.is_empty() {
+            out.push('.');
+            out.push_str(frac);
+        }
+        if shown_exp != 0 || r.random_bool(0.2) {
+            out.push(if r.random_bool(0.5) { 'e' } else { 'E' });
+            if shown_exp >= 0 && r.random_bool(0.5) {
+                out.push('+');
+            }
+            out.push_str(&shown_exp.to_string());
+        }
+    }
+
+    fn render_string(s: &str, rng: &mut Option<StdRng>, out: &mut String) {
+        out.push('"');
+        for ch in s.chars() {
+            let must_escape = ch == '"' || ch == '\\' || (ch as u32) < 0x20;
+            let escape = must_escape || rng.as_mut().is_some_and(|r| r.random_bool(0.2));
+            if !escape {
+                out.push(ch);
+                continue;
+            }
+            let short = match ch {
+                '"' => Some("\\\""),
+                '\\' => Some("\\\\"),
+                '/' => Some("\\/"),
+                '\n' => Some("\\n"),
+                '\t' => Some("\\t"),
+                '\r' => Some("\\r"),
+                '\u{8}' => Some("\\b"),
+                '\u{c}' => Some("\\f"),
+                _ => None,
+            };
+            let use_short = short.is_some() && rng.as_mut().is_none_or(|r| r.random_bool(0.5));
+            match short {
+                Some(text) if use_short => out.push_str(text),
+                _ => {
+                    let upper = rng.as_mut().is_some_and(|r| r.random_bool(0.5));
+                    let mut units = [0u16; 2];
+                    for unit in ch.encode_utf16(&mut units) {
+                        if upper {
+                            out.push_str(&format!("\\u{unit:04X}"));
+                        } else {
+                            out.push_str(&format!("\\u{unit:04x}"));
+                        }
+                    }
+                }
+            }
+        }
+        out.push('"');
+    }
+
+    fn plain(j: &J) -> String {
+        let mut out = String::new();
+        render(j, &mut None, &mut out);
+        out
+    }
+
+    fn noisy(j: &J, seed: u64) -> String {
+        let mut out = String::new();
+        render(j, &mut Some(StdRng::seed_from_u64(seed)), &mut out);
+        out
+    }
+
+    /// Changes exactly one non-ignored value somewhere in `j`.
+    fn mutate(j: &J, rng: &mut StdRng) -> J {
+        match j {
+            J::Arr(items) if !items.is_empty() && rng.random_bool(0.7) => {
+                let mut items = items.clone();
+                let i = rng.random_range(0..items.len());
+                items[i] = mutate(&items[i], rng);
+                J::Arr(items)
+            }
+            J::Obj(members) if !members.is_empty() && rng.random_bool(0.7) => {
+                let mut members = members.clone();
+                let i = rng.random_range(0..members.len());
+                if rng.random_bool(0.8) {
+                    members[i].1 = mutate(&members[i].1, rng);
+                } else {
+                    // Rename the key to one not present.
+                    let mut name = format!("{}~", members[i].0);
+                    while members.iter().any(|(k, _)| *k == name) {
+                        name.push('~');
+                    }
+                    members[i].0 = name;
+                }
+                J::Obj(members)
+            }
+            J::Arr(items) => {
+                let mut items = items.clone();
+                items.push(J::Null);
+                J::Arr(items)
+            }
+            J::Obj(members) => {
+                let mut members = members.clone();
+                let mut name = "new".to_string();
+                while members.iter().any(|(k, _)| *k == name) {
+                    name.push('~');
+                }
+                members.push((name, J::Null));
+                J::Obj(members)
+            }
+            J::Null => J::Bool(false),
+            J::Bool(b) => J::Bool(!b),
+            J::Num(neg, m, e) if *m == 0 => J::Num(*neg, 1, *e),
+            J::Num(neg, m, e) => match rng.random_range(0..3) {
+                0 => J::Num(!neg, *m, *e),
+                1 => J::Num(*neg, m.wrapping_add(1).max(1), *e),
+                _ => J::Num(*neg, *m, e + 1),
+            },
+            J::Str(s) => J::Str(format!("{s}x")),
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn key_order_number_notation_escapes_whitespace_and_ignored_keys_never_change_the_hash(
+            j in json_strategy(), seed in any::<u64>()
+        ) {
+            let a = plain(&j);
+            let b = noisy(&j, seed);
+            prop_assert_eq!(hash(&a), hash(&b), "{} vs {}", a, b);
+        }
+
+        #[test]
+        fn any_change_to_a_non_ignored_value_changes_the_hash(
+            j in json_strategy(), seed in any::<u64>()
+        ) {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let changed = mutate(&j, &mut rng);
+            let a = plain(&j);
+            let b = noisy(&changed, seed);
+            prop_assert_ne!(hash(&a), hash(&b), "{} vs {}", a, b);
+        }
+
+        #[test]
+        fn canonical_output_is_valid_json_that_serde_json_reads(j in json_strategy(), seed in any::<u64>()) {
+            let mut out = Vec::new();
+            canonical_json(&noisy(&j, seed), &IgnoreKeys::none(), &mut out).unwrap();
+            prop_assert!(serde_json::from_slice::<serde_json::Value>(&out).is_ok(), "{}", String::from_utf8_lossy(&out));
+        }
+
+        #[test]
+        fn arbitrary_text_never_panics(text in any::<String>()) {
+            let _ = content_hash(&text, &IgnoreKeys::default());
+        }
+    }
+}

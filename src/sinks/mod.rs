@@ -12,6 +12,10 @@ use async_trait::async_trait;
 
 use crate::event::Event;
 
+pub mod file;
+pub mod stdout;
+pub mod testing;
+
 /// Why an event (or the sink as a whole) failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SinkError {

@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::diff::ContentHash;
 use crate::stream::StreamKey;
 
-pub use sled_store::{SledStore, LAYOUT_VERSION};
+pub use sled_store::{SledStore, LAYOUT_MARKER, LAYOUT_VERSION};
 
 /// A scheduled or running replay of one stream.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
