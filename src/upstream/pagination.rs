@@ -191,16 +191,15 @@ impl UpstreamClient {
                 "skipping a listed record without a usable integer id"
             );
         }
-        let labels = [
-            ("tenant", tenant.to_string()),
-            ("resource", resource.as_str().to_owned()),
-        ];
+        // Pages and records seen are counted by the sweep; skips only the client can see.
         if !skipped_records.is_empty() {
-            metrics::counter!(metric::RECORDS_SKIPPED, &labels)
-                .increment(skipped_records.len() as u64);
+            metrics::counter!(
+                metric::RECORDS_SKIPPED,
+                "tenant" => tenant.to_string(),
+                "resource" => resource.as_str()
+            )
+            .increment(skipped_records.len() as u64);
         }
-        metrics::counter!(metric::PAGES, &labels).increment(1);
-        metrics::counter!(metric::RECORDS_SEEN, &labels).increment(page.records.len() as u64);
         Ok(page)
     }
 
