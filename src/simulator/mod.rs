@@ -1,1 +1,471 @@
 //! A faithful in-process simulator of the External Voucher API.
+//!
+//! It exists so the bridge can be developed, tested and benchmarked without
+//! the real service: `voucher-cdc simulate` serves it over HTTP, and tests
+//! start it in-process with [`Simulator::start`], mutate its records, inject
+//! faults and read its request log.
+
+mod cursor;
+mod data;
+mod http;
+mod mutator;
+mod query;
+mod redeem;
+mod state;
+mod store;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use chrono::{DateTime, Utc};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::stream::{Resource, TenantId};
+use crate::upstream::model::RedemptionVoucher;
+
+pub use state::token_fingerprint;
+
+/// API path prefix every endpoint lives under.
+pub const API_PREFIX: &str = "/api/external/v1";
+
+/// Fixed page size of list operations.
+pub const PAGE_SIZE: usize = 50;
+
+fn parse_fail_rate(text: &str) -> Result<f64, String> {
+    let rate: f64 = text
+        .parse()
+        .map_err(|_| format!("`{text}` is not a number; use a fraction between 0 and 1"))?;
+    if (0.0..=1.0).contains(&rate) {
+        Ok(rate)
+    } else {
+        Err(format!("`{text}` is outside 0..=1"))
+    }
+}
+
+fn parse_tenants(text: &str) -> Result<u64, String> {
+    match text.parse::<u64>() {
+        Ok(n) if (1..=10_000).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "`{text}` is not a tenant count between 1 and 10000"
+        )),
+    }
+}
+
+/// Flags of `voucher-cdc simulate`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SimulateArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// Number of tenants, numbered 1..=N.
+    #[arg(long, default_value_t = 3, value_parser = parse_tenants)]
+    pub tenants: u64,
+    /// Catalog vouchers per tenant.
+    #[arg(long, default_value_t = 200)]
+    pub vouchers: usize,
+    /// Catalog categories per tenant.
+    #[arg(long, default_value_t = 20)]
+    pub categories: usize,
+    /// Background changes per minute over all tenants (0 = none).
+    #[arg(long, default_value_t = 0)]
+    pub changes_per_minute: u32,
+    /// Seed of the generated data and of the background changes.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Bearer token granting every permission on every tenant.
+    #[arg(long, default_value = "sim-token")]
+    pub token: String,
+    /// Requests per minute per token and client IP (0 = unlimited).
+    #[arg(long, default_value_t = 120)]
+    pub rate_limit: u32,
+    /// Fraction of requests answered with an injected 5xx (0..=1).
+    #[arg(long, default_value_t = 0.0, value_parser = parse_fail_rate)]
+    pub fail_rate: f64,
+    /// Delay added to every response (e.g. `50ms`).
+    #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
+    pub latency: Duration,
+}
+
+/// Options of an in-process simulator; see [`SimulateArgs`] for the meaning of shared fields.
+#[derive(Debug, Clone)]
+pub struct SimulatorOptions {
+    /// Address to listen on (tests: `127.0.0.1:0`).
+    pub listen: SocketAddr,
+    /// Number of tenants, numbered 1..=N.
+    pub tenants: u64,
+    /// Catalog vouchers per tenant.
+    pub vouchers: usize,
+    /// Catalog categories per tenant.
+    pub categories: usize,
+    /// Background changes per minute over all tenants (0 = none).
+    pub changes_per_minute: u32,
+    /// Seed of the generated data and background changes.
+    pub seed: u64,
+    /// Bearer token granting every permission on every tenant.
+    pub token: String,
+    /// Requests per minute per token and client IP (0 = unlimited).
+    pub rate_limit: u32,
+    /// Fraction of requests answered with an injected 5xx.
+    pub fail_rate: f64,
+    /// Delay added to every response.
+    pub latency: Duration,
+    /// Whether 429 responses carry `Retry-After`.
+    pub retry_after_header: bool,
+}
+
+impl Default for SimulatorOptions {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            tenants: 3,
+            vouchers: 200,
+            categories: 20,
+            changes_per_minute: 0,
+            seed: 42,
+            token: "sim-token".to_string(),
+            rate_limit: 120,
+            fail_rate: 0.0,
+            latency: Duration::ZERO,
+            retry_after_header: true,
+        }
+    }
+}
+
+impl From<SimulateArgs> for SimulatorOptions {
+    fn from(args: SimulateArgs) -> Self {
+        Self {
+            listen: args.listen,
+            tenants: args.tenants,
+            vouchers: args.vouchers,
+            categories: args.categories,
+            changes_per_minute: args.changes_per_minute,
+            seed: args.seed,
+            token: args.token,
+            rate_limit: args.rate_limit,
+            fail_rate: args.fail_rate,
+            latency: args.latency,
+            retry_after_header: true,
+        }
+    }
+}
+
+/// A permission a bearer token can hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Permission {
+    /// `view_vouchers`: list and get catalog vouchers.
+    ViewVouchers,
+    /// `view_categories`: list and get catalog categories.
+    ViewCategories,
+    /// `redeem_vouchers`: POST redemptions.
+    RedeemVouchers,
+}
+
+impl Permission {
+    /// Every permission.
+    pub const ALL: [Permission; 3] = [
+        Permission::ViewVouchers,
+        Permission::ViewCategories,
+        Permission::RedeemVouchers,
+    ];
+
+    /// The permission's name in the spec.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Permission::ViewVouchers => "view_vouchers",
+            Permission::ViewCategories => "view_categories",
+            Permission::RedeemVouchers => "redeem_vouchers",
+        }
+    }
+
+    fn bit(self) -> u8 {
+        match self {
+            Permission::ViewVouchers => 1,
+            Permission::ViewCategories => 2,
+            Permission::RedeemVouchers => 4,
+        }
+    }
+}
+
+/// A fault consumed by the next matching request, in FIFO order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Fault {
+    /// Answer with this status and a MessageError body (and `Retry-After` when given).
+    Status {
+        /// HTTP status code.
+        status: u16,
+        /// `Retry-After` header value.
+        retry_after: Option<String>,
+    },
+    /// A 200 whose JSON body is cut in the middle (matches the next successful response).
+    TruncatedBody,
+    /// A 200 whose body is not JSON (matches the next successful response).
+    MalformedJson,
+    /// Wait this long before handling the request.
+    Delay(Duration),
+    /// The next list page carries one extra record whose id is missing (odd
+    /// uses) or a string (even uses).
+    RecordWithoutId,
+    /// Close the connection without answering.
+    DropConnection,
+}
+
+/// One request the simulator answered.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestLogEntry {
+    /// When the request arrived.
+    pub at: Instant,
+    /// HTTP method.
+    pub method: String,
+    /// Request path.
+    pub path: String,
+    /// Raw query string.
+    pub query: Option<String>,
+    /// Response status.
+    pub status: u16,
+    /// Non-secret fingerprint of the bearer token ([`token_fingerprint`]), never the token.
+    pub token_fingerprint: Option<String>,
+}
+
+/// A running simulator; dropping it without [`Simulator::shutdown`] stops it too.
+pub struct Simulator {
+    state: Arc<state::SimState>,
+    addr: SocketAddr,
+    token: String,
+    cancel: CancellationToken,
+    server: Option<JoinHandle<()>>,
+    mutator: Option<JoinHandle<()>>,
+}
+
+impl Simulator {
+    /// Generates the data, binds the listener and serves (plus the background
+    /// mutator when `changes_per_minute > 0`).
+    pub async fn start(opts: SimulatorOptions) -> anyhow::Result<Simulator> {
+        if !(0.0..=1.0).contains(&opts.fail_rate) {
+            anyhow::bail!("fail rate {} is outside 0..=1", opts.fail_rate);
+        }
+        if opts.tenants == 0 {
+            anyhow::bail!("at least one tenant is required");
+        }
+        let listener = tokio::net::TcpListener::bind(opts.listen)
+            .await
+            .with_context(|| format!("binding simulator listener on {}", opts.listen))?;
+        let addr = listener
+            .local_addr()
+            .context("reading simulator listen address")?;
+        let state = Arc::new(state::SimState::new(&opts));
+        let cancel = CancellationToken::new();
+        let server = tokio::spawn(http::serve(listener, state.clone(), cancel.clone()));
+        let mutator = (opts.changes_per_minute > 0).then(|| {
+            tokio::spawn(mutator::run(
+                state.clone(),
+                opts.changes_per_minute,
+                opts.seed,
+                cancel.clone(),
+            ))
+        });
+        Ok(Simulator {
+            state,
+            addr,
+            token: opts.token,
+            cancel,
+            server: Some(server),
+            mutator,
+        })
+    }
+
+    /// Base URL including the version prefix, e.g. `http://127.0.0.1:PORT/api/external/v1`.
+    pub fn base_url(&self) -> String {
+        format!("http://{}{API_PREFIX}", self.addr)
+    }
+
+    /// The bound address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The all-powerful token of the options.
+    pub fn token(&self) -> &str {
+        &self.token
+    }
+
+    /// Adds (or replaces) a token scoped to `tenants` (None = all) and `permissions`.
+    pub fn add_token(
+        &self,
+        token: &str,
+        tenants: Option<Vec<TenantId>>,
+        permissions: &[Permission],
+    ) {
+        let bits = permissions.iter().fold(0u8, |acc, p| acc | p.bit());
+        self.state.add_token(token, tenants, bits);
+    }
+
+    /// Creates a record stamped with the simulator clock; returns its id.
+    pub fn create(&self, tenant: TenantId, resource: Resource) -> i64 {
+        self.state.create(tenant, resource).unwrap_or(-1)
+    }
+
+    /// Changes a record's content and bumps its `updated_at`.
+    pub fn update(&self, tenant: TenantId, resource: Resource, id: i64) -> bool {
+        self.state.update(tenant, resource, id, true)
+    }
+
+    /// Changes a record's content without bumping `updated_at`.
+    pub fn update_silently(&self, tenant: TenantId, resource: Resource, id: i64) -> bool {
+        self.state.update(tenant, resource, id, false)
+    }
+
+    /// Bumps a record's `updated_at` without changing its content.
+    pub fn touch(&self, tenant: TenantId, resource: Resource, id: i64) -> bool {
+        let at = self.state.clock.mutation_time();
+        self.state.set_updated_at(tenant, resource, id, Some(at))
+    }
+
+    /// Sets a record's `updated_at` to exactly `at` (ties, late commits, nulls).
+    pub fn set_updated_at(
+        &self,
+        tenant: TenantId,
+        resource: Resource,
+        id: i64,
+        at: Option<DateTime<Utc>>,
+    ) -> bool {
+        self.state.set_updated_at(tenant, resource, id, at)
+    }
+
+    /// Deletes a record.
+    pub fn delete(&self, tenant: TenantId, resource: Resource, id: i64) -> bool {
+        self.state.delete(tenant, resource, id)
+    }
+
+    /// Ids of a resource's records, ascending.
+    pub fn record_ids(&self, tenant: TenantId, resource: Resource) -> Vec<i64> {
+        self.state.record_ids(tenant, resource)
+    }
+
+    /// The exact bytes the list endpoint returns for a record, without
+    /// relations or with all of them (`include=categories,variants` / `include=products`).
+    pub fn record_json(
+        &self,
+        tenant: TenantId,
+        resource: Resource,
+        id: i64,
+        include_relations: bool,
+    ) -> Option<String> {
+        let mask = if include_relations {
+            query::full_include_mask(resource)
+        } else {
+            0
+        };
+        self.state.record_json(tenant, resource, id, mask)
+    }
+
+    /// Freezes the simulator clock at `now`, or returns it to real time with None.
+    pub fn set_clock(&self, now: Option<DateTime<Utc>>) {
+        self.state.clock.set(now);
+    }
+
+    /// The simulator clock's current time.
+    pub fn now(&self) -> DateTime<Utc> {
+        self.state.clock.now()
+    }
+
+    /// Queues a fault for the next matching request.
+    pub fn push_fault(&self, fault: Fault) {
+        self.state.push_fault(fault);
+    }
+
+    /// Sets the fraction of requests answered with an injected 5xx.
+    pub fn set_fail_rate(&self, f: f64) {
+        self.state.settings.set_fail_rate(f);
+    }
+
+    /// Sets the delay added to every response.
+    pub fn set_latency(&self, d: Duration) {
+        self.state.settings.set_latency(d);
+    }
+
+    /// Sets the per-minute budget per token and client IP (0 = unlimited).
+    pub fn set_rate_limit(&self, per_minute: u32) {
+        self.state.settings.set_rate_limit(per_minute);
+    }
+
+    /// Every request answered so far (bounded to the most recent 100,000).
+    pub fn request_log(&self) -> Vec<RequestLogEntry> {
+        self.state.request_log()
+    }
+
+    /// Forgets the request log.
+    pub fn clear_request_log(&self) {
+        self.state.clear_request_log();
+    }
+
+    /// The `redemption_token` the (not shown) resolve operation would return for a purchased voucher.
+    pub fn redemption_token(&self, tenant: TenantId, purchased_id: i64) -> Option<String> {
+        self.state.redemption_token(tenant, purchased_id)
+    }
+
+    /// Ids of a tenant's purchased vouchers (the redeemable side).
+    pub fn purchased_voucher_ids(&self, tenant: TenantId) -> Vec<i64> {
+        self.state.purchased_ids(tenant)
+    }
+
+    /// A purchased voucher as a redemption result would show it.
+    pub fn purchased_voucher(
+        &self,
+        tenant: TenantId,
+        purchased_id: i64,
+    ) -> Option<RedemptionVoucher> {
+        self.state.purchased_voucher(tenant, purchased_id)
+    }
+
+    /// Stops the server and the mutator and waits for them.
+    pub async fn shutdown(mut self) {
+        self.cancel.cancel();
+        for task in [self.server.take(), self.mutator.take()]
+            .into_iter()
+            .flatten()
+        {
+            let abort = task.abort_handle();
+            if tokio::time::timeout(Duration::from_secs(5), task)
+                .await
+                .is_err()
+            {
+                abort.abort();
+            }
+        }
+    }
+}
+
+impl Drop for Simulator {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+/// Runs `voucher-cdc simulate` until `shutdown` completes.
+pub async fn run(
+    args: SimulateArgs,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let opts = SimulatorOptions::from(args);
+    let (tenants, vouchers, categories) = (opts.tenants, opts.vouchers, opts.categories);
+    let (rate_limit, changes) = (opts.rate_limit, opts.changes_per_minute);
+    let simulator = Simulator::start(opts).await?;
+    tracing::info!(
+        base_url = %simulator.base_url(),
+        token = %simulator.token(),
+        tenants,
+        vouchers,
+        categories,
+        rate_limit,
+        changes_per_minute = changes,
+        "simulator serving the External Voucher API"
+    );
+    shutdown.await;
+    tracing::info!("simulator shutting down");
+    simulator.shutdown().await;
+    Ok(())
+}

@@ -4,6 +4,10 @@
 //! A sink acknowledges each event on its own; the sweep commits a record's
 //! content hash only after its event was acknowledged (DESIGN.md, invariant).
 
+pub mod kafka;
+pub mod metrics;
+pub mod nats;
+
 use async_trait::async_trait;
 
 use crate::event::Event;

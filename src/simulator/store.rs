@@ -1,0 +1,548 @@
+//! The simulator's records for one tenant: typed values, their JSON
+//! pre-serialized in every `include` form at mutation time, and an ordered
+//! index by `(updated_at, id)` so a list page is a range scan plus a copy.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use chrono::{DateTime, Utc};
+use rand::rngs::StdRng;
+use rand::Rng;
+
+use super::cursor::SortKey;
+use super::data::{self, Purchased};
+use crate::stream::{Resource, TenantId};
+use crate::upstream::model::{CatalogCategory, CatalogVoucher, CategoryProduct};
+
+/// A record's JSON in each include form, indexed by include bit mask.
+#[derive(Debug)]
+pub struct Rendered {
+    /// `forms[mask]` is the record with the relations of `mask` filled in.
+    pub forms: Box<[Bytes]>,
+}
+
+/// The sort key of a timestamp: microseconds since the epoch.
+pub fn micros(at: Option<DateTime<Utc>>) -> Option<i64> {
+    at.map(|at| at.timestamp_micros())
+}
+
+/// One resource's records of one tenant.
+#[derive(Debug)]
+pub struct Table<T> {
+    values: HashMap<i64, T>,
+    index: BTreeMap<SortKey, Arc<Rendered>>,
+}
+
+impl<T> Default for Table<T> {
+    fn default() -> Self {
+        Self {
+            values: HashMap::new(),
+            index: BTreeMap::new(),
+        }
+    }
+}
+
+/// Access to a record's `updated_at` for indexing.
+pub trait Stamped {
+    /// The record's `updated_at`.
+    fn stamp(&self) -> Option<DateTime<Utc>>;
+}
+
+impl Stamped for CatalogVoucher {
+    fn stamp(&self) -> Option<DateTime<Utc>> {
+        self.updated_at
+    }
+}
+
+impl Stamped for CatalogCategory {
+    fn stamp(&self) -> Option<DateTime<Utc>> {
+        self.updated_at
+    }
+}
+
+impl<T: Stamped> Table<T> {
+    fn key(id: i64, value: &T) -> SortKey {
+        (micros(value.stamp()), id)
+    }
+
+    /// Stores a value with its rendered forms, replacing an older one.
+    pub fn put(&mut self, id: i64, value: T, rendered: Rendered) {
+        if let Some(old) = self.values.get(&id) {
+            self.index.remove(&Self::key(id, old));
+        }
+        self.index.insert(Self::key(id, &value), Arc::new(rendered));
+        self.values.insert(id, value);
+    }
+
+    /// Removes a record; false when it did not exist.
+    pub fn remove(&mut self, id: i64) -> bool {
+        match self.values.remove(&id) {
+            Some(old) => {
+                self.index.remove(&Self::key(id, &old));
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The typed value of a record.
+    pub fn get(&self, id: i64) -> Option<&T> {
+        self.values.get(&id)
+    }
+
+    /// The rendered forms of a record.
+    pub fn rendered(&self, id: i64) -> Option<&Arc<Rendered>> {
+        let value = self.values.get(&id)?;
+        self.index.get(&Self::key(id, value))
+    }
+
+    /// Ids of all records, ascending.
+    pub fn ids(&self) -> Vec<i64> {
+        let mut ids: Vec<i64> = self.values.keys().copied().collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// Number of records.
+    pub fn len(&self) -> usize {
+        self.values.len()
+    }
+
+    /// Up to `limit` records after `after` (exclusive) and at or after `from`
+    /// (inclusive), in `(updated_at, id)` order, as the bytes of form `mask`;
+    /// plus whether more follow. The last returned key is the next cursor.
+    pub fn page(
+        &self,
+        from: Option<SortKey>,
+        after: Option<SortKey>,
+        limit: usize,
+        mask: u8,
+    ) -> (Vec<(SortKey, Bytes)>, bool) {
+        use std::ops::Bound;
+        let lower = match (from, after) {
+            (Some(from), Some(after)) if after >= from => Bound::Excluded(after),
+            (Some(from), _) => Bound::Included(from),
+            (None, Some(after)) => Bound::Excluded(after),
+            (None, None) => Bound::Unbounded,
+        };
+        let mut out = Vec::with_capacity(limit);
+        let mut range = self.index.range((lower, Bound::Unbounded));
+        for (key, rendered) in range.by_ref().take(limit) {
+            let form = rendered
+                .forms
+                .get(mask as usize)
+                .unwrap_or(&rendered.forms[0]);
+            out.push((*key, form.clone()));
+        }
+        let more = range.next().is_some();
+        (out, more)
+    }
+}
+
+/// Everything the simulator holds for one tenant.
+#[derive(Debug)]
+pub struct TenantData {
+    /// Tenant id.
+    pub id: TenantId,
+    /// Catalog vouchers.
+    pub vouchers: Table<CatalogVoucher>,
+    /// Catalog categories.
+    pub categories: Table<CatalogCategory>,
+    /// Purchased vouchers by id (redemptions).
+    pub purchased: BTreeMap<i64, Purchased>,
+    /// Next catalog voucher id.
+    pub next_voucher_id: i64,
+    /// Next category id.
+    pub next_category_id: i64,
+    /// Next variant id.
+    pub next_variant_id: i64,
+    /// Content revision counter, makes every update a real change.
+    pub revision: u64,
+}
+
+fn to_bytes<T: serde::Serialize>(value: &T) -> Bytes {
+    // Serializing these plain structs to a Vec cannot fail (no maps with
+    // non-string keys, no failing Serialize impls).
+    Bytes::from(serde_json::to_vec(value).unwrap_or_default())
+}
+
+impl TenantData {
+    /// Generates a tenant's initial data from the seed.
+    pub fn generate(seed: u64, tenant: TenantId, vouchers: usize, categories: usize) -> Self {
+        let mut rng = data::tenant_rng(seed, tenant, 0);
+        let bulk = data::historic_time(&mut rng);
+        let mut category_values = Vec::with_capacity(categories);
+        for i in 0..categories {
+            let id = i as i64 + 1;
+            let at = data::initial_updated_at(&mut rng, bulk, false);
+            category_values.push(data::category(&mut rng, id, at));
+        }
+        let mut next_variant_id = 1;
+        let mut voucher_values = Vec::with_capacity(vouchers);
+        for i in 0..vouchers {
+            let id = i as i64 + 1;
+            let at = data::initial_updated_at(&mut rng, bulk, true);
+            voucher_values.push(data::voucher(
+                &mut rng,
+                tenant,
+                id,
+                &category_values,
+                &mut next_variant_id,
+                at,
+            ));
+        }
+        let purchased_count = (vouchers / 10).clamp(20, 200);
+        let purchased = data::purchased(&mut rng, tenant, &voucher_values, purchased_count)
+            .into_iter()
+            .map(|p| (p.id, p))
+            .collect();
+        let mut tenant_data = TenantData {
+            id: tenant,
+            vouchers: Table::default(),
+            categories: Table::default(),
+            purchased,
+            next_voucher_id: vouchers as i64 + 1,
+            next_category_id: categories as i64 + 1,
+            next_variant_id,
+            revision: 0,
+        };
+        for value in voucher_values {
+            let rendered = render_voucher(&value);
+            tenant_data.vouchers.put(value.id, value, rendered);
+        }
+        for value in category_values {
+            let rendered = tenant_data.render_category(&value);
+            tenant_data.categories.put(value.id, value, rendered);
+        }
+        tenant_data
+    }
+
+    /// Renders a category in its two forms; `products` are the vouchers that
+    /// link to it, ordered by sort_order then id.
+    pub fn render_category(&self, category: &CatalogCategory) -> Rendered {
+        let mut products: Vec<CategoryProduct> = self
+            .vouchers
+            .values
+            .values()
+            .filter(|v| v.category_refs.iter().any(|r| r.id == category.id))
+            .map(|v| CategoryProduct {
+                id: v.id,
+                slug: Some(v.slug.clone()),
+                title: Some(v.title.clone()),
+                price: Some(v.price.or(v.from_price).or(v.monetary_value).unwrap_or(0.0)),
+                sale_price: Some(
+                    v.sale_price
+                        .or(v.from_sale_price)
+                        .or(v.price)
+                        .or(v.from_price)
+                        .or(v.monetary_value)
+                        .unwrap_or(0.0),
+                ),
+                sort_order: Some(v.sort_order),
+            })
+            .collect();
+        products.sort_by_key(|p| (p.sort_order, p.id));
+        let plain = CatalogCategory {
+            products: None,
+            ..category.clone()
+        };
+        let full = CatalogCategory {
+            products: Some(products),
+            ..category.clone()
+        };
+        Rendered {
+            forms: vec![to_bytes(&plain), to_bytes(&full)].into_boxed_slice(),
+        }
+    }
+
+    /// Re-renders the given categories after their products changed,
+    /// without bumping their `updated_at` (derived data changes silently).
+    pub fn refresh_categories(&mut self, ids: &[i64]) {
+        for id in ids {
+            if let Some(category) = self.categories.get(*id).cloned() {
+                let rendered = self.render_category(&category);
+                self.categories.put(*id, category, rendered);
+            }
+        }
+    }
+
+    /// Stores a voucher and refreshes the categories it links to now or did before.
+    pub fn put_voucher(&mut self, value: CatalogVoucher) {
+        let mut touched: Vec<i64> = value.category_refs.iter().map(|r| r.id).collect();
+        if let Some(old) = self.vouchers.get(value.id) {
+            touched.extend(old.category_refs.iter().map(|r| r.id));
+        }
+        let rendered = render_voucher(&value);
+        self.vouchers.put(value.id, value, rendered);
+        touched.sort_unstable();
+        touched.dedup();
+        self.refresh_categories(&touched);
+    }
+
+    /// Stores a category and refreshes the category references of vouchers linking to it.
+    pub fn put_category(&mut self, value: CatalogCategory) {
+        let reference = data::category_ref(&value);
+        let rendered = self.render_category(&value);
+        self.categories.put(value.id, value, rendered);
+        let linked: Vec<CatalogVoucher> = self
+            .vouchers
+            .values
+            .values()
+            .filter(|v| {
+                v.category_refs
+                    .iter()
+                    .any(|r| r.id == reference.id && *r != reference)
+            })
+            .cloned()
+            .collect();
+        for mut voucher in linked {
+            for r in voucher
+                .category_refs
+                .iter_mut()
+                .filter(|r| r.id == reference.id)
+            {
+                *r = reference.clone();
+            }
+            let rendered = render_voucher(&voucher);
+            self.vouchers.put(voucher.id, voucher, rendered);
+        }
+    }
+
+    /// Deletes a record and the links to it; false when it did not exist.
+    pub fn delete(&mut self, resource: Resource, id: i64) -> bool {
+        match resource {
+            Resource::Vouchers => {
+                let refs: Vec<i64> = match self.vouchers.get(id) {
+                    Some(v) => v.category_refs.iter().map(|r| r.id).collect(),
+                    None => return false,
+                };
+                self.vouchers.remove(id);
+                self.refresh_categories(&refs);
+                true
+            }
+            Resource::Categories => {
+                if !self.categories.remove(id) {
+                    return false;
+                }
+                let linked: Vec<CatalogVoucher> = self
+                    .vouchers
+                    .values
+                    .values()
+                    .filter(|v| v.category_refs.iter().any(|r| r.id == id))
+                    .cloned()
+                    .collect();
+                for mut voucher in linked {
+                    voucher.category_refs.retain(|r| r.id != id);
+                    let rendered = render_voucher(&voucher);
+                    self.vouchers.put(voucher.id, voucher, rendered);
+                }
+                true
+            }
+        }
+    }
+
+    /// Creates a new record stamped `at`; returns its id.
+    pub fn create(&mut self, rng: &mut StdRng, resource: Resource, at: DateTime<Utc>) -> i64 {
+        match resource {
+            Resource::Vouchers => {
+                let id = self.next_voucher_id;
+                self.next_voucher_id += 1;
+                let categories: Vec<CatalogCategory> =
+                    self.categories.values.values().cloned().collect();
+                let mut next_variant_id = self.next_variant_id;
+                let value = data::voucher(
+                    rng,
+                    self.id,
+                    id,
+                    &categories,
+                    &mut next_variant_id,
+                    Some(at),
+                );
+                self.next_variant_id = next_variant_id;
+                self.put_voucher(value);
+                id
+            }
+            Resource::Categories => {
+                let id = self.next_category_id;
+                self.next_category_id += 1;
+                let value = data::category(rng, id, Some(at));
+                self.put_category(value);
+                id
+            }
+        }
+    }
+
+    /// Changes a record's content; with `at` its `updated_at` becomes `at`,
+    /// without it the change is silent. False when the record does not exist.
+    pub fn update(
+        &mut self,
+        rng: &mut StdRng,
+        resource: Resource,
+        id: i64,
+        at: Option<DateTime<Utc>>,
+    ) -> bool {
+        self.revision += 1;
+        let revision = self.revision;
+        match resource {
+            Resource::Vouchers => {
+                let Some(old) = self.vouchers.get(id).cloned() else {
+                    return false;
+                };
+                let mut value = old.clone();
+                change_voucher(rng, &mut value, revision);
+                if let Some(at) = at {
+                    value.updated_at = Some(at);
+                }
+                self.put_voucher(value);
+                true
+            }
+            Resource::Categories => {
+                let Some(old) = self.categories.get(id).cloned() else {
+                    return false;
+                };
+                let mut value = old;
+                match rng.random_range(0..3) {
+                    0 => value.sort_order = Some(value.sort_order.unwrap_or(0) + 1),
+                    1 => {
+                        value.image_url = Some(format!(
+                            "https://img.vouchers.example/categories/{id}-r{revision}.jpg"
+                        ))
+                    }
+                    _ => {}
+                }
+                value.summary = Some(format!(
+                    "{} (revision {revision})",
+                    value
+                        .summary
+                        .as_deref()
+                        .unwrap_or("Our favourites")
+                        .split(" (revision")
+                        .next()
+                        .unwrap_or("")
+                ));
+                if let Some(at) = at {
+                    value.updated_at = Some(at);
+                }
+                self.put_category(value);
+                true
+            }
+        }
+    }
+
+    /// Sets a record's `updated_at` only; false when it does not exist.
+    pub fn set_updated_at(
+        &mut self,
+        resource: Resource,
+        id: i64,
+        at: Option<DateTime<Utc>>,
+    ) -> bool {
+        match resource {
+            Resource::Vouchers => {
+                let Some(mut value) = self.vouchers.get(id).cloned() else {
+                    return false;
+                };
+                value.updated_at = at;
+                let rendered = render_voucher(&value);
+                self.vouchers.put(id, value, rendered);
+                true
+            }
+            Resource::Categories => {
+                let Some(mut value) = self.categories.get(id).cloned() else {
+                    return false;
+                };
+                value.updated_at = at;
+                let rendered = self.render_category(&value);
+                self.categories.put(id, value, rendered);
+                true
+            }
+        }
+    }
+
+    /// Ids of a resource's records.
+    pub fn ids(&self, resource: Resource) -> Vec<i64> {
+        match resource {
+            Resource::Vouchers => self.vouchers.ids(),
+            Resource::Categories => self.categories.ids(),
+        }
+    }
+
+    /// Number of records of a resource.
+    pub fn len(&self, resource: Resource) -> usize {
+        match resource {
+            Resource::Vouchers => self.vouchers.len(),
+            Resource::Categories => self.categories.len(),
+        }
+    }
+
+    /// The rendered forms of one record.
+    pub fn rendered(&self, resource: Resource, id: i64) -> Option<Arc<Rendered>> {
+        match resource {
+            Resource::Vouchers => self.vouchers.rendered(id).cloned(),
+            Resource::Categories => self.categories.rendered(id).cloned(),
+        }
+    }
+
+    /// One page of a resource (see [`Table::page`]).
+    pub fn page(
+        &self,
+        resource: Resource,
+        from: Option<SortKey>,
+        after: Option<SortKey>,
+        limit: usize,
+        mask: u8,
+    ) -> (Vec<(SortKey, Bytes)>, bool) {
+        match resource {
+            Resource::Vouchers => self.vouchers.page(from, after, limit, mask),
+            Resource::Categories => self.categories.page(from, after, limit, mask),
+        }
+    }
+}
+
+/// Renders a voucher in its four forms (bit 0 categories, bit 1 variants).
+pub fn render_voucher(voucher: &CatalogVoucher) -> Rendered {
+    let forms = (0u8..4)
+        .map(|mask| {
+            let form = CatalogVoucher {
+                categories: (mask & 1 != 0).then(|| voucher.category_refs.clone()),
+                variants: (mask & 2 != 0).then(|| voucher.variant_summaries.clone()),
+                ..voucher.clone()
+            };
+            to_bytes(&form)
+        })
+        .collect();
+    Rendered { forms }
+}
+
+/// Applies one realistic content change to a voucher; the summary always
+/// carries the revision so the content is guaranteed to differ.
+fn change_voucher(rng: &mut StdRng, value: &mut CatalogVoucher, revision: u64) {
+    match rng.random_range(0..4) {
+        0 if value.price.is_some() => {
+            let p = data::price(rng, 15, 600);
+            value.price = Some(p);
+            value.sale_price = rng
+                .random_bool(0.3)
+                .then(|| (p * 0.85 * 100.0).round() / 100.0);
+        }
+        1 => value.sort_order = rng.random_range(0..1000),
+        2 => {
+            if let Some(first) = value.variant_summaries.first_mut() {
+                first.sale_price = match first.sale_price {
+                    Some(_) => None,
+                    None => first.price.map(|p| (p * 0.9 * 100.0).round() / 100.0),
+                };
+            }
+        }
+        _ => value.redemption_info = Some(format!("Book online; offer code R{revision}.")),
+    }
+    let base = value
+        .summary
+        .as_deref()
+        .unwrap_or("A memorable experience.")
+        .split(" (revision")
+        .next()
+        .unwrap_or("")
+        .to_string();
+    value.summary = Some(format!("{base} (revision {revision})"));
+}
