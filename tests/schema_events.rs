@@ -9,6 +9,7 @@ mod schema;
 use chrono::{TimeZone, Utc};
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
+use voucher_cdc::diff::{content_hash, IgnoreKeys};
 use voucher_cdc::event::{record_event, replay_event, Event, Op, RecordChange};
 use voucher_cdc::stream::{Resource, StreamKey};
 
@@ -17,9 +18,11 @@ use schema::{assert_valid_event, event_schema, validate_event_json};
 const VOUCHER: &str = r#"{"id":123,"slug":"spa-day","title":"Spa day for two","summary":null,"description_html":"<p>Relax</p>","currency":"GBP","price":120.0,"sale_price":null,"from_price":null,"from_sale_price":null,"monetary_value":null,"is_monetary":false,"allow_part_redeem":false,"validity_type":"months","validity_months":12,"redemption_info":null,"sort_order":1,"image_url":null,"image_urls":[],"category_refs":[{"id":7,"slug":"spa","title":"Spa","sort_order":1}],"variant_summaries":[],"updated_at":"2025-03-01T10:00:00Z","x_unknown_field":{"kept":true}}"#;
 const CATEGORY: &str = r#"{"id":7,"slug":"spa","title":"Spa","sort_order":1,"updated_at":"2025-03-01T09:00:00Z","summary":"","description_html":"","image_url":"","products":[{"id":123,"slug":"spa-day","title":"Spa day for two","price":120.0,"sale_price":99.0,"sort_order":1}]}"#;
 
-/// A 32-hex content hash of some bytes (the format the envelope requires).
-fn hash_of(bytes: &str) -> String {
-    hex::encode(&blake3::hash(bytes.as_bytes()).as_bytes()[..16])
+/// The content hash the sweep computes (canonical JSON, `updated_at` ignored).
+fn hash_of(json: &str) -> String {
+    content_hash(json, &IgnoreKeys::new(["updated_at"]))
+        .unwrap()
+        .to_hex()
 }
 
 fn raw(json: &str) -> Box<RawValue> {
@@ -42,7 +45,7 @@ fn change_event(resource: Resource, op: Op, data: &str, replay_id: Option<&str>)
         (data, Some("2025-03-01T10:00:00Z"))
     };
     let content_hash = hash_of(data);
-    let previous_hash = hash_of("the previous version");
+    let previous_hash = hash_of(r#"{"id":0,"title":"the previous version"}"#);
     let previous = matches!(op, Op::Update | Op::Delete).then_some(previous_hash.as_str());
     let data = raw(data);
     record_event(&RecordChange {
@@ -135,7 +138,10 @@ fn replay_started_and_completed_events_match_the_schema() {
 fn update_and_delete_events_carry_the_previous_hash_and_snapshots_of_a_replay_its_id() {
     let update = as_json(&change_event(Resource::Vouchers, Op::Update, VOUCHER, None));
     assert_eq!(update["op"], "update");
-    assert_eq!(update["previoushash"], hash_of("the previous version"));
+    assert_eq!(
+        update["previoushash"],
+        hash_of(r#"{"id":0,"title":"the previous version"}"#)
+    );
     let delete = as_json(&change_event(Resource::Vouchers, Op::Delete, VOUCHER, None));
     assert_eq!(delete["type"], "voucher.deleted");
     assert_eq!(delete["data"], json!({"id": 123}));
