@@ -17,7 +17,7 @@ use voucher_cdc::simulator::{Simulator, SimulatorOptions};
 use voucher_cdc::sinks::kafka::{KafkaSink, KafkaSinkConfig};
 use voucher_cdc::sinks::nats::{NatsSink, NatsSinkConfig};
 use voucher_cdc::sinks::Sink;
-use voucher_cdc::state::sled_store::SledStore;
+use voucher_cdc::state::SledStore;
 use voucher_cdc::state::StateStore;
 use voucher_cdc::stream::{Resource, StreamKey};
 use voucher_cdc::sweep::{SweepKind, SweepSettings, Sweeper};
@@ -40,7 +40,12 @@ async fn spawn_simulator(vouchers: usize, categories: usize) -> Arc<Simulator> {
     )
 }
 
-fn sweeper(sim: &Simulator, store: Arc<dyn StateStore>, sink: Arc<dyn Sink>, resource: Resource) -> Sweeper {
+fn sweeper(
+    sim: &Simulator,
+    store: Arc<dyn StateStore>,
+    sink: Arc<dyn Sink>,
+    resource: Resource,
+) -> Sweeper {
     let client = UpstreamClient::new(
         ClientOptions {
             base_url: sim.base_url().parse().unwrap(),
@@ -80,17 +85,27 @@ fn assert_every_record_arrived_verbatim(sim: &Simulator, resource: Resource, pay
             .push(p);
     }
     let expected: BTreeSet<i64> = sim.record_ids(TENANT, resource).into_iter().collect();
-    assert_eq!(by_subject.keys().copied().collect::<BTreeSet<_>>(), expected);
+    assert_eq!(
+        by_subject.keys().copied().collect::<BTreeSet<_>>(),
+        expected
+    );
     for (id, payloads) in by_subject {
         let raw = sim.record_json(TENANT, resource, id, true).unwrap();
         for p in payloads {
             let text = std::str::from_utf8(p).unwrap();
-            assert!(text.contains(&format!("\"data\":{raw}")), "record {id} altered in transit");
+            assert!(
+                text.contains(&format!("\"data\":{raw}")),
+                "record {id} altered in transit"
+            );
         }
     }
 }
 
-async fn read_stream(url: &str, stream: &str, expected: usize) -> Vec<(String, Option<String>, Vec<u8>)> {
+async fn read_stream(
+    url: &str,
+    stream: &str,
+    expected: usize,
+) -> Vec<(String, Option<String>, Vec<u8>)> {
     let client = async_nats::connect(url).await.unwrap();
     let js = async_nats::jetstream::new(client);
     let stream = js.get_stream(stream).await.unwrap();
@@ -122,7 +137,9 @@ async fn read_stream(url: &str, stream: &str, expected: usize) -> Vec<(String, O
 
 #[tokio::test]
 async fn every_record_reaches_nats_jetstream_exactly_as_the_api_returned_it() {
-    let Some(nats) = brokers::spawn_nats() else { return };
+    let Some(nats) = brokers::spawn_nats() else {
+        return;
+    };
     let sim = spawn_simulator(130, 12).await;
     let dir = tempfile::tempdir().unwrap();
     let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&dir.path().join("state")).unwrap());
@@ -139,13 +156,19 @@ async fn every_record_reaches_nats_jetstream_exactly_as_the_api_returned_it() {
             .run(SweepKind::Incremental)
             .await
             .unwrap();
-        assert_eq!(report.snapshots as usize, sim.record_ids(TENANT, resource).len());
+        assert_eq!(
+            report.snapshots as usize,
+            sim.record_ids(TENANT, resource).len()
+        );
     }
     let messages = read_stream(&nats.url(), "VOUCHER_CDC", 142).await;
     assert_eq!(messages.len(), 142);
     for (subject, msg_id, payload) in &messages {
         let v: Value = serde_json::from_slice(payload).unwrap();
-        assert_eq!(subject, &format!("voucher_cdc.{TENANT}.{}", v["type"].as_str().unwrap()));
+        assert_eq!(
+            subject,
+            &format!("voucher_cdc.{TENANT}.{}", v["type"].as_str().unwrap())
+        );
         assert_eq!(msg_id.as_deref(), v["id"].as_str());
     }
     let payloads: Vec<Vec<u8>> = messages.into_iter().map(|m| m.2).collect();
@@ -155,7 +178,9 @@ async fn every_record_reaches_nats_jetstream_exactly_as_the_api_returned_it() {
 
 #[tokio::test]
 async fn a_nats_server_killed_mid_sweep_and_restarted_loses_nothing() {
-    let Some(nats) = brokers::spawn_nats() else { return };
+    let Some(nats) = brokers::spawn_nats() else {
+        return;
+    };
     let nats = Arc::new(Mutex::new(nats));
     let url = nats.lock().unwrap().url();
     let sim = spawn_simulator(400, 1).await;
@@ -193,21 +218,35 @@ async fn a_nats_server_killed_mid_sweep_and_restarted_loses_nothing() {
         .unwrap();
     assert!(killed.load(std::sync::atomic::Ordering::SeqCst));
     assert_eq!(report.snapshots, 400);
-    assert_eq!(store.record_count(StreamKey::new(TENANT, Resource::Vouchers)).unwrap(), 400);
+    assert_eq!(
+        store
+            .record_count(StreamKey::new(TENANT, Resource::Vouchers))
+            .unwrap(),
+        400
+    );
     let messages = read_stream(&url, "VOUCHER_CDC", 400).await;
     let ids: BTreeSet<String> = messages.iter().filter_map(|m| m.1.clone()).collect();
-    assert_eq!(ids.len(), messages.len(), "Msg-Id dedupe kept every id once");
+    assert_eq!(
+        ids.len(),
+        messages.len(),
+        "Msg-Id dedupe kept every id once"
+    );
     let payloads: Vec<Vec<u8>> = messages.into_iter().map(|m| m.2).collect();
     assert_every_record_arrived_verbatim(&sim, Resource::Vouchers, &payloads);
 }
 
 #[tokio::test]
 async fn every_record_reaches_a_real_kafka_broker_exactly_as_the_api_returned_it() {
-    let Some(tansu) = brokers::spawn_tansu() else { return };
+    let Some(tansu) = brokers::spawn_tansu() else {
+        return;
+    };
     let sim = spawn_simulator(120, 9).await;
     let dir = tempfile::tempdir().unwrap();
     let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&dir.path().join("state")).unwrap());
-    let streams = [StreamKey::new(TENANT, Resource::Vouchers), StreamKey::new(TENANT, Resource::Categories)];
+    let streams = [
+        StreamKey::new(TENANT, Resource::Vouchers),
+        StreamKey::new(TENANT, Resource::Categories),
+    ];
     let config = KafkaSinkConfig {
         create_topics: true,
         topic_partitions: 1,
@@ -244,7 +283,10 @@ async fn every_record_reaches_a_real_kafka_broker_exactly_as_the_api_returned_it
     let payloads: Vec<Vec<u8>> = records.iter().filter_map(|r| r.payload.clone()).collect();
     for r in records.iter().filter(|r| r.payload.is_some()) {
         let v: Value = serde_json::from_slice(r.payload.as_ref().unwrap()).unwrap();
-        assert_eq!(r.key.as_deref(), v["partitionkey"].as_str().map(str::as_bytes));
+        assert_eq!(
+            r.key.as_deref(),
+            v["partitionkey"].as_str().map(str::as_bytes)
+        );
         assert!(r
             .headers
             .iter()
@@ -252,7 +294,10 @@ async fn every_record_reaches_a_real_kafka_broker_exactly_as_the_api_returned_it
     }
     let tombstones: Vec<_> = records.iter().filter(|r| r.payload.is_none()).collect();
     assert_eq!(tombstones.len(), 1);
-    assert_eq!(tombstones[0].key.as_deref(), Some(format!("{TENANT}:voucher:{gone}").as_bytes()));
+    assert_eq!(
+        tombstones[0].key.as_deref(),
+        Some(format!("{TENANT}:voucher:{gone}").as_bytes())
+    );
     // The deleted record was listed by the first sweep; the simulator no longer has it.
     let updated: Vec<Vec<u8>> = payloads
         .iter()
