@@ -830,3 +830,34 @@ async fn a_stream_paging_through_10000_records_does_not_starve_the_others() {
         );
     }
 }
+
+#[tokio::test]
+async fn a_next_cursor_that_repeats_the_cursor_sent_ends_the_stream_instead_of_looping() {
+    // The simulator never does this, so a two-line upstream that always answers the same cursor stands in.
+    let app = axum::Router::new().route(
+        "/api/external/v1/tenants/1/catalog/vouchers",
+        axum::routing::get(|| async {
+            axum::Json(serde_json::json!({
+                "data": [{"id": 1}], "next_cursor": "stuck", "server_time": "2024-01-01T00:00:00Z"
+            }))
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let opts = ClientOptions {
+        base_url: format!("http://{addr}/api/external/v1").parse().unwrap(),
+        ..ClientOptions::default()
+    };
+    let results: Vec<Result<Page, UpstreamError>> = client_with(opts, "any-token")
+        .list_pages(1, Resource::Vouchers, ListQuery::default())
+        .collect()
+        .await;
+    assert_eq!(results.len(), 2);
+    assert!(results[0].is_ok());
+    assert_eq!(
+        results[1].as_ref().unwrap_err().to_string(),
+        "upstream sent an invalid response for /tenants/1/catalog/vouchers: \
+         next_cursor repeats the cursor just sent, which would loop forever"
+    );
+}
