@@ -204,6 +204,12 @@ impl UpstreamClient {
                 "base_url must be an absolute http(s) url with a host".into(),
             ));
         }
+        if !opts.base_url.username().is_empty() || opts.base_url.password().is_some() {
+            return Err(UpstreamError::Config(
+                "base_url must not carry credentials; the bearer token goes in upstream.token"
+                    .into(),
+            ));
+        }
         if opts.base_url.query().is_some() || opts.base_url.fragment().is_some() {
             return Err(UpstreamError::Config(
                 "base_url must not carry a query or fragment".into(),
@@ -841,6 +847,13 @@ mod tests {
         )
         .unwrap_err();
         assert!(!err.to_string().contains("bad"), "{err}");
+        let with_credentials = ClientOptions {
+            base_url: Url::parse("https://user:pw@example.com/api").unwrap(),
+            ..ClientOptions::default()
+        };
+        let err = UpstreamClient::new(with_credentials, SecretToken::new("t"), budget.clone())
+            .unwrap_err();
+        assert!(!err.to_string().contains("pw"), "{err}");
         let err = UpstreamClient::new(ClientOptions::default(), SecretToken::new(" "), budget)
             .unwrap_err();
         assert_eq!(
