@@ -376,7 +376,9 @@ pub fn load(file: Option<&Path>) -> Result<Config, ConfigError> {
         }
         figment = figment.merge(Toml::file(path));
     }
-    load_from(figment.merge(Env::prefixed(ENV_PREFIX).split("__")))
+    // `VOUCHER_CDC_CONFIG` names the file itself (the `--config` flag), not a key.
+    let env = Env::prefixed(ENV_PREFIX).ignore(&["config"]).split("__");
+    load_from(figment.merge(env))
 }
 
 /// Extracts and validates a config from any figment (tests use inline TOML).
@@ -402,7 +404,7 @@ fn figment_problems(err: figment::Error) -> ConfigError {
                 .and_then(|m| m.source.as_ref())
                 .map(|s| format!(" (from {s})"))
                 .unwrap_or_default();
-            let kind = e.kind.to_string();
+            let kind = describe(&e.kind);
             if key.is_empty() {
                 format!("config{origin}: {kind}")
             } else {
@@ -411,6 +413,25 @@ fn figment_problems(err: figment::Error) -> ConfigError {
         })
         .collect();
     ConfigError { problems }
+}
+
+/// One readable phrase per figment error kind, listing the valid options.
+fn describe(kind: &figment::error::Kind) -> String {
+    use figment::error::Kind;
+    match kind {
+        Kind::UnknownVariant(found, expected) => format!(
+            "unknown value `{found}`: valid options are {}",
+            expected.join(", ")
+        ),
+        Kind::UnknownField(found, expected) => format!(
+            "unknown key `{found}`: valid keys are {}",
+            expected.join(", ")
+        ),
+        Kind::MissingField(field) => format!("`{field}` is required"),
+        Kind::InvalidType(actual, expected) => format!("expected {expected}, found {actual}"),
+        Kind::InvalidValue(actual, expected) => format!("expected {expected}, found {actual}"),
+        other => other.to_string(),
+    }
 }
 
 impl Config {

@@ -6,7 +6,7 @@
 //! committed before the sink acknowledged its event.** A crash anywhere
 //! therefore re-publishes (same event ids), and never loses a change.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -547,38 +547,32 @@ impl Sweeper {
         report: &mut SweepReport,
     ) -> Result<(), SweepError> {
         let unseen = self.store.unseen_records(self.stream, plan.epoch)?;
-        let intents = self.store.pending_intents(self.stream)?;
-        let unseen_ids: std::collections::HashSet<i64> = unseen.iter().map(|(id, _)| *id).collect();
-        let intent_by_id: HashMap<i64, Intent> = intents.iter().cloned().collect();
+        let intents: HashMap<i64, Intent> = self
+            .store
+            .pending_intents(self.stream)?
+            .into_iter()
+            .collect();
 
-        // Intents left after a complete listing belong to records that were
-        // possibly published but never committed, and are gone now.
-        let mut doomed: Vec<(i64, u32, ContentHash, Option<i64>)> = unseen
+        // A pending intent is the latest version possibly published.
+        let mut doomed: Vec<Doomed> = unseen
             .iter()
-            .map(|(id, r)| {
-                let latest = intent_by_id.get(id);
-                (
-                    *id,
-                    r.generation,
-                    latest.map_or(r.hash, |i| i.hash),
-                    latest.map_or(r.updated_at, |i| i.updated_at),
-                )
+            .map(|(id, r)| match intents.get(id) {
+                Some(i) => Doomed::new(*id, r.generation, i.hash, i.updated_at),
+                None => Doomed::new(*id, r.generation, r.hash, r.updated_at),
             })
             .collect();
+        // Intents of records never committed: published perhaps, gone now.
+        let unseen_ids: HashSet<i64> = unseen.iter().map(|(id, _)| *id).collect();
         let orphans: Vec<i64> = intents
-            .iter()
-            .map(|(id, _)| *id)
+            .keys()
+            .copied()
             .filter(|id| !unseen_ids.contains(id))
             .collect();
         if !orphans.is_empty() {
-            // Orphan intents of records that are still stored were re-listed and
-            // committed already; only those with no stored record remain.
             let stored = self.store.get_records(self.stream, &orphans)?;
             for (id, stored) in orphans.iter().zip(stored) {
-                if stored.is_none() {
-                    if let Some(i) = intent_by_id.get(id) {
-                        doomed.push((*id, i.generation, i.hash, i.updated_at));
-                    }
+                if let (None, Some(i)) = (stored, intents.get(id)) {
+                    doomed.push(Doomed::new(*id, i.generation, i.hash, i.updated_at));
                 }
             }
         }
@@ -586,10 +580,8 @@ impl Sweeper {
             return Ok(());
         }
         let would_delete = doomed.len() as u64;
-        if plan.mode != SweepMode::FirstSync
-            && (would_delete as f64)
-                > self.settings.max_delete_fraction * (known_before.max(1) as f64)
-        {
+        let limit = self.settings.max_delete_fraction * (known_before.max(1) as f64);
+        if plan.mode != SweepMode::FirstSync && (would_delete as f64) > limit {
             metrics::counter!(metric::DELETES_REFUSED, "tenant" => self.stream.tenant.to_string(),
                 "resource" => self.stream.resource.as_str())
             .increment(1);
@@ -601,62 +593,25 @@ impl Sweeper {
         }
 
         let detected_at = Utc::now();
-        doomed.sort_by_key(|d| d.0);
+        doomed.sort_by_key(|d| d.id);
         for chunk in doomed.chunks(500) {
-            let prepared: Vec<(String, Box<RawValue>, String, String, Option<String>)> = chunk
-                .iter()
-                .map(|(id, _, last_hash, updated_at)| {
-                    let data = delete_data(*id);
-                    let hash = content_hash(data.get(), &self.settings.ignore_keys)
-                        .map(|h| h.to_hex())
-                        .unwrap_or_default();
-                    (
-                        id.to_string(),
-                        data,
-                        hash,
-                        last_hash.to_hex(),
-                        updated_at.and_then(format_micros),
-                    )
-                })
-                .collect();
             let events: Vec<Event> = chunk
                 .iter()
-                .zip(&prepared)
-                .map(
-                    |((_, generation, _, _), (record_id, data, hash, previous, updated_at))| {
-                        event::record_event(&RecordChange {
-                            stream: self.stream,
-                            record_id,
-                            generation: *generation,
-                            op: Op::Delete,
-                            updated_at: updated_at.as_deref(),
-                            content_hash: hash,
-                            previous_hash: Some(previous),
-                            replay_id: plan.replay_id.as_deref(),
-                            data,
-                            detected_at,
-                        })
-                    },
-                )
-                .collect();
+                .map(|d| {
+                    d.event(
+                        self.stream,
+                        plan.replay_id.as_deref(),
+                        detected_at,
+                        &self.settings.ignore_keys,
+                    )
+                })
+                .collect::<Result<_, _>>()?;
             self.publish_all(&events).await?;
             for e in &events {
                 report.count(Op::Delete);
                 self.count_event(e);
             }
-            let tombstones: Vec<(i64, Tombstone)> = chunk
-                .iter()
-                .map(|(id, generation, last_hash, updated_at)| {
-                    (
-                        *id,
-                        Tombstone {
-                            generation: generation.saturating_add(1),
-                            last_hash: *last_hash,
-                            updated_at: *updated_at,
-                        },
-                    )
-                })
-                .collect();
+            let tombstones: Vec<(i64, Tombstone)> = chunk.iter().map(Doomed::tombstone).collect();
             self.store.commit_deletes(self.stream, &tombstones)?;
         }
         Ok(())
@@ -748,6 +703,65 @@ struct PendingChange<'a> {
     previous: Option<ContentHash>,
     generation: u32,
     updated_at_micros: Option<i64>,
+}
+
+/// A record a full sweep will delete, with the last version possibly published.
+struct Doomed {
+    id: i64,
+    generation: u32,
+    last_hash: ContentHash,
+    updated_at: Option<i64>,
+}
+
+impl Doomed {
+    fn new(id: i64, generation: u32, last_hash: ContentHash, updated_at: Option<i64>) -> Self {
+        Self {
+            id,
+            generation,
+            last_hash,
+            updated_at,
+        }
+    }
+
+    /// The `*.deleted` event: `data` is `{"id":N}`, `previoushash` the last hash.
+    fn event(
+        &self,
+        stream: StreamKey,
+        replay_id: Option<&str>,
+        detected_at: DateTime<Utc>,
+        ignore: &IgnoreKeys,
+    ) -> Result<Event, SweepError> {
+        let data = delete_data(self.id);
+        let hash = content_hash(data.get(), ignore).map_err(|source| SweepError::Hash {
+            record_id: self.id,
+            source,
+        })?;
+        let updated_at = self.updated_at.and_then(format_micros);
+        Ok(event::record_event(&RecordChange {
+            stream,
+            record_id: &self.id.to_string(),
+            generation: self.generation,
+            op: Op::Delete,
+            updated_at: updated_at.as_deref(),
+            content_hash: &hash.to_hex(),
+            previous_hash: Some(&self.last_hash.to_hex()),
+            replay_id,
+            data: &data,
+            detected_at,
+        }))
+    }
+
+    /// The tombstone: the next incarnation of this id starts a new generation.
+    fn tombstone(&self) -> (i64, Tombstone) {
+        (
+            self.id,
+            Tombstone {
+                generation: self.generation.saturating_add(1),
+                last_hash: self.last_hash,
+                updated_at: self.updated_at,
+            },
+        )
+    }
 }
 
 /// The `data` of a delete event: just the record id.

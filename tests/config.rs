@@ -50,12 +50,12 @@ fn broken_configs() -> Vec<(&'static str, String, &'static str)> {
         (
             "unknown sink kind",
             base("[sink]\nkind = \"redis\"\n"),
-            "sink.kind: unknown variant: found `redis`, expected `one of `nats`, `kafka`, `stdout`, `file``",
+            "sink.kind: unknown value `redis`: valid options are nats, kafka, stdout, file",
         ),
         (
             "unknown key",
             base("[poll]\nintervall = \"30s\"\n"),
-            "poll.intervall: unknown field: found `intervall`",
+            "poll.intervall: unknown key `intervall`: valid keys are interval, full_resync_interval, lookback, include_relations, ignore_keys, max_delete_fraction",
         ),
         (
             "bad duration",
@@ -85,7 +85,7 @@ fn broken_configs() -> Vec<(&'static str, String, &'static str)> {
         (
             "unknown resource",
             "[upstream]\nbase_url = \"http://x/api/external/v1\"\ntoken = \"t\"\n[[tenants]]\nid = 1\nresources = [\"products\"]\n".to_string(),
-            "tenants.0.resources.0: unknown variant: found `products`, expected `one of `vouchers`, `categories``",
+            "tenants.0.resources.0: unknown value `products`: valid options are vouchers, categories",
         ),
         (
             "no tenants",
@@ -206,6 +206,24 @@ fn check_config_prints_the_effective_config_with_secrets_redacted() {
     assert!(stdout.contains("requests_per_minute = 120"), "{stdout}");
     assert!(stdout.contains("<redacted>"));
     assert!(!stdout.contains("s3cret-token"));
+}
+
+#[test]
+fn the_config_file_can_be_named_by_env_without_being_read_as_a_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.toml");
+    std::fs::write(&path, MINIMAL).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_voucher-cdc"))
+        .arg("check-config")
+        .env("VOUCHER_CDC_CONFIG", &path)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]

@@ -10,12 +10,18 @@ use voucher_cdc::shard::{
 const TENANTS: std::ops::RangeInclusive<u64> = 1..=10_000;
 const TENANT_COUNT: f64 = 10_000.0;
 
-/// Allowed deviation from an expected binomial count: 5 standard deviations.
+/// Asserts that `observed` of the tenants is within 5 standard deviations of
+/// the binomial expectation `TENANT_COUNT * p`.
 ///
 /// The mapping is deterministic, so this never flakes; it fails when the
 /// hash is badly mixed (e.g. sequential ids landing in runs on one shard).
-fn binomial_tolerance(trials: f64, p: f64) -> f64 {
-    5.0 * (trials * p * (1.0 - p)).sqrt()
+fn assert_about(observed: u32, p: f64, what: &str) {
+    let expected = TENANT_COUNT * p;
+    let tolerance = 5.0 * (TENANT_COUNT * p * (1.0 - p)).sqrt();
+    assert!(
+        (f64::from(observed) - expected).abs() <= tolerance,
+        "{what}: {observed} tenants, expected {expected:.0} +- {tolerance:.0}"
+    );
 }
 
 #[test]
@@ -52,14 +58,8 @@ fn growing_by_one_shard_moves_only_tenants_to_the_new_shard_about_one_in_n_plus_
                 moved += 1;
             }
         }
-        let p = 1.0 / f64::from(n + 1);
-        let expected = TENANT_COUNT * p;
-        let tolerance = binomial_tolerance(TENANT_COUNT, p);
-        assert!(
-            (f64::from(moved) - expected).abs() <= tolerance,
-            "{n} -> {} shards moved {moved} tenants, expected {expected:.0} +- {tolerance:.0}",
-            n + 1
-        );
+        let what = format!("{n} -> {} shards moved", n + 1);
+        assert_about(moved, 1.0 / f64::from(n + 1), &what);
     }
 }
 
@@ -85,14 +85,8 @@ fn shrinking_by_one_shard_moves_only_the_removed_shards_tenants() {
             }
         }
         assert_eq!(moved, on_removed);
-        let p = 1.0 / f64::from(n + 1);
-        let expected = TENANT_COUNT * p;
-        let tolerance = binomial_tolerance(TENANT_COUNT, p);
-        assert!(
-            (f64::from(moved) - expected).abs() <= tolerance,
-            "{} -> {n} shards moved {moved} tenants, expected {expected:.0} +- {tolerance:.0}",
-            n + 1
-        );
+        let what = format!("{} -> {n} shards moved", n + 1);
+        assert_about(moved, 1.0 / f64::from(n + 1), &what);
     }
 }
 
@@ -103,14 +97,9 @@ fn tenants_are_spread_evenly_over_the_shards() {
         for tenant in TENANTS {
             load[owner(tenant, count) as usize] += 1;
         }
-        let p = 1.0 / f64::from(count);
-        let expected = TENANT_COUNT * p;
-        let tolerance = binomial_tolerance(TENANT_COUNT, p);
         for (index, &tenants) in load.iter().enumerate() {
-            assert!(
-                (f64::from(tenants) - expected).abs() <= tolerance,
-                "shard {index}/{count} owns {tenants} tenants, expected {expected:.0} +- {tolerance:.0}: {load:?}"
-            );
+            let what = format!("shard {index}/{count} owns (load {load:?})");
+            assert_about(tenants, 1.0 / f64::from(count), &what);
         }
     }
 }

@@ -36,6 +36,10 @@ use crate::upstream::model::{ts, MessageError, ValidationError};
 
 type AppState = Arc<SimState>;
 
+/// Marks a response that is never sent because its connection was dropped.
+#[derive(Clone, Copy, Debug)]
+struct Dropped;
+
 /// Connection info: the peer address plus a switch that kills the connection.
 #[derive(Clone, Debug)]
 pub struct ConnInfo {
@@ -172,12 +176,21 @@ pub async fn serve(listener: TcpListener, state: AppState, cancel: CancellationT
 /// and the observer around everything.
 pub fn router(state: AppState) -> Router {
     let api = Router::new()
-        .route("/tenants/{tenant}/catalog/vouchers", get(list_vouchers))
-        .route("/tenants/{tenant}/catalog/vouchers/{id}", get(get_voucher))
-        .route("/tenants/{tenant}/catalog/categories", get(list_categories))
+        .route(
+            "/tenants/{tenant}/catalog/vouchers",
+            get(list_handler).layer(Extension(Resource::Vouchers)),
+        )
+        .route(
+            "/tenants/{tenant}/catalog/vouchers/{id}",
+            get(get_handler).layer(Extension(Resource::Vouchers)),
+        )
+        .route(
+            "/tenants/{tenant}/catalog/categories",
+            get(list_handler).layer(Extension(Resource::Categories)),
+        )
         .route(
             "/tenants/{tenant}/catalog/categories/{id}",
-            get(get_category),
+            get(get_handler).layer(Extension(Resource::Categories)),
         )
         .route("/tenants/{tenant}/redemptions", post(redeem_voucher))
         .route_layer(middleware::from_fn_with_state(state.clone(), guard));
@@ -317,7 +330,11 @@ async fn observe(State(state): State<AppState>, request: Request, next: Next) ->
         method,
         path,
         query,
-        status: response.status().as_u16(),
+        status: if response.extensions().get::<Dropped>().is_some() {
+            0
+        } else {
+            response.status().as_u16()
+        },
         token_fingerprint: fingerprint,
     });
     response
@@ -367,7 +384,9 @@ async fn guard(
             Some(Fault::Delay(delay)) => tokio::time::sleep(delay).await,
             Some(Fault::DropConnection) => {
                 conn.kill.store(true, Ordering::Relaxed);
-                return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+                let mut response = StatusCode::INTERNAL_SERVER_ERROR.into_response();
+                response.extensions_mut().insert(Dropped);
+                return response;
             }
             _ => {}
         }
@@ -484,22 +503,14 @@ fn resource_permission(resource: Resource) -> Permission {
     }
 }
 
-async fn list_vouchers(
+async fn list_handler(
     State(state): State<AppState>,
     Extension(grant): Extension<Grant>,
+    Extension(resource): Extension<Resource>,
     path: Result<Path<String>, PathRejection>,
     RawQuery(query): RawQuery,
 ) -> Response {
-    list(&state, &grant, Resource::Vouchers, path, query).unwrap_or_else(|r| r)
-}
-
-async fn list_categories(
-    State(state): State<AppState>,
-    Extension(grant): Extension<Grant>,
-    path: Result<Path<String>, PathRejection>,
-    RawQuery(query): RawQuery,
-) -> Response {
-    list(&state, &grant, Resource::Categories, path, query).unwrap_or_else(|r| r)
+    list(&state, &grant, resource, path, query).unwrap_or_else(|r| r)
 }
 
 fn path_not_found(rejection: PathRejection) -> Response {
@@ -595,22 +606,14 @@ fn record_without_id(use_number: u64, template: Option<&Bytes>) -> Bytes {
     Bytes::from(serde_json::to_vec(&value).unwrap_or_default())
 }
 
-async fn get_voucher(
+async fn get_handler(
     State(state): State<AppState>,
     Extension(grant): Extension<Grant>,
+    Extension(resource): Extension<Resource>,
     path: Result<Path<(String, String)>, PathRejection>,
     RawQuery(query): RawQuery,
 ) -> Response {
-    get_one(&state, &grant, Resource::Vouchers, path, query).unwrap_or_else(|r| r)
-}
-
-async fn get_category(
-    State(state): State<AppState>,
-    Extension(grant): Extension<Grant>,
-    path: Result<Path<(String, String)>, PathRejection>,
-    RawQuery(query): RawQuery,
-) -> Response {
-    get_one(&state, &grant, Resource::Categories, path, query).unwrap_or_else(|r| r)
+    get_one(&state, &grant, resource, path, query).unwrap_or_else(|r| r)
 }
 
 fn get_one(

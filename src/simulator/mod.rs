@@ -224,7 +224,7 @@ pub struct RequestLogEntry {
     pub path: String,
     /// Raw query string.
     pub query: Option<String>,
-    /// Response status.
+    /// Response status; 0 when the connection was dropped without an answer.
     pub status: u16,
     /// Non-secret fingerprint of the bearer token ([`token_fingerprint`]), never the token.
     pub token_fingerprint: Option<String>,

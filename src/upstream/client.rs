@@ -17,6 +17,7 @@ use serde_json::value::RawValue;
 use url::Url;
 
 use super::error::UpstreamError;
+use super::model::RedeemRequest;
 use super::pagination::decode_record;
 use super::ratelimit::RateBudget;
 use super::Record;
@@ -25,6 +26,9 @@ use crate::telemetry::metric;
 
 /// Longest upstream error text kept in an error message, in characters.
 const MAX_MESSAGE_CHARS: usize = 300;
+
+/// Shortest token that is scrubbed from upstream text.
+const MIN_SCRUBBED_TOKEN_CHARS: usize = 8;
 
 /// A bearer token that never prints: Debug and Display show `***`.
 #[derive(Clone, PartialEq, Eq, Deserialize)]
@@ -106,33 +110,6 @@ fn default_base_url() -> Url {
     match Url::parse(LOCAL) {
         Ok(url) => url,
         Err(e) => unreachable!("constant url {LOCAL} does not parse: {e}"),
-    }
-}
-
-/// Body of `POST /tenants/{tenant}/redemptions`.
-#[derive(Clone, Default, PartialEq, serde::Serialize)]
-pub struct RedeemRequest {
-    /// The short-lived token from the resolve operation.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub redemption_token: Option<String>,
-    /// The voucher id, as an alternative to the token.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub voucher_id: Option<i64>,
-    /// Further fields (the spec does not name the amount field), sent as given.
-    #[serde(flatten)]
-    pub extra: serde_json::Map<String, serde_json::Value>,
-}
-
-impl fmt::Debug for RedeemRequest {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedeemRequest")
-            .field(
-                "redemption_token",
-                &self.redemption_token.as_ref().map(|_| "***"),
-            )
-            .field("voucher_id", &self.voucher_id)
-            .field("extra", &self.extra)
-            .finish()
     }
 }
 
@@ -225,6 +202,12 @@ impl UpstreamClient {
         if opts.base_url.cannot_be_a_base() || opts.base_url.host_str().is_none() {
             return Err(UpstreamError::Config(
                 "base_url must be an absolute http(s) url with a host".into(),
+            ));
+        }
+        if !opts.base_url.username().is_empty() || opts.base_url.password().is_some() {
+            return Err(UpstreamError::Config(
+                "base_url must not carry credentials; the bearer token goes in upstream.token"
+                    .into(),
             ));
         }
         if opts.base_url.query().is_some() || opts.base_url.fragment().is_some() {
@@ -596,14 +579,15 @@ impl UpstreamClient {
         } else {
             "sending the request failed"
         };
-        let reason = self.scrub(&format!("{what}: {root}"));
+        let reason = format!("{what}: {root}");
         Failure::Retriable(UpstreamError::Transport { path, reason }, "connect")
     }
 
-    /// Removes the token from upstream-provided text, in case the upstream echoes it.
+    /// Removes the token from upstream-provided text, in case the upstream echoes it
+    /// (tokens shorter than `MIN_SCRUBBED_TOKEN_CHARS` would mangle ordinary words).
     fn scrub(&self, text: &str) -> String {
         let token = self.inner.token.expose();
-        if token.is_empty() || !text.contains(token) {
+        if token.len() < MIN_SCRUBBED_TOKEN_CHARS || !text.contains(token) {
             return text.to_owned();
         }
         text.replace(token, "***")
@@ -863,6 +847,13 @@ mod tests {
         )
         .unwrap_err();
         assert!(!err.to_string().contains("bad"), "{err}");
+        let with_credentials = ClientOptions {
+            base_url: Url::parse("https://user:pw@example.com/api").unwrap(),
+            ..ClientOptions::default()
+        };
+        let err = UpstreamClient::new(with_credentials, SecretToken::new("t"), budget.clone())
+            .unwrap_err();
+        assert!(!err.to_string().contains("pw"), "{err}");
         let err = UpstreamClient::new(ClientOptions::default(), SecretToken::new(" "), budget)
             .unwrap_err();
         assert_eq!(
@@ -873,21 +864,8 @@ mod tests {
 
     #[test]
     fn upstream_text_that_echoes_the_token_is_scrubbed() {
-        let c = client("tok-123");
-        assert_eq!(c.scrub("bad token tok-123 given"), "bad token *** given");
-    }
-
-    #[test]
-    fn redeem_request_debug_hides_the_redemption_token() {
-        let req = RedeemRequest {
-            redemption_token: Some("short-lived".into()),
-            voucher_id: Some(5),
-            ..RedeemRequest::default()
-        };
-        assert!(!format!("{req:?}").contains("short-lived"));
-        assert_eq!(
-            serde_json::to_string(&req).unwrap(),
-            r#"{"redemption_token":"short-lived","voucher_id":5}"#
-        );
+        let c = client("tok-12345");
+        assert_eq!(c.scrub("bad token tok-12345 given"), "bad token *** given");
+        assert_eq!(client("t").scrub("text"), "text");
     }
 }

@@ -59,6 +59,8 @@ impl ListQuery {
 pub enum SkipReason {
     /// The record is not a JSON object.
     NotAnObject,
+    /// The record is an object serde cannot read the id from (e.g. a duplicate `id` key).
+    Unreadable(String),
     /// The record has no `id` (or it is null).
     MissingId,
     /// The `id` is not an integer that fits in i64; holds an excerpt of the value.
@@ -69,6 +71,7 @@ impl fmt::Display for SkipReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             SkipReason::NotAnObject => f.write_str("is not a json object"),
+            SkipReason::Unreadable(cause) => write!(f, "cannot be read: {cause}"),
             SkipReason::MissingId => f.write_str("has no id"),
             SkipReason::BadId(value) => write!(f, "has an id that is not an integer: {value}"),
         }
@@ -141,8 +144,11 @@ pub fn decode_page(body: &[u8]) -> Result<DecodedPage, String> {
 
 /// Reads `id` and `updated_at` from a raw record and keeps the record as it is.
 pub fn decode_record(raw: Box<RawValue>) -> Result<Record, SkipReason> {
+    if !raw.get().starts_with('{') {
+        return Err(SkipReason::NotAnObject);
+    }
     let head: RecordHead<'_> =
-        serde_json::from_str(raw.get()).map_err(|_| SkipReason::NotAnObject)?;
+        serde_json::from_str(raw.get()).map_err(|e| SkipReason::Unreadable(e.to_string()))?;
     let id_raw = head.id.ok_or(SkipReason::MissingId)?;
     let id = serde_json::from_str::<i64>(id_raw.get()).map_err(|_| {
         if id_raw.get() == "null" {
@@ -191,16 +197,15 @@ impl UpstreamClient {
                 "skipping a listed record without a usable integer id"
             );
         }
-        let labels = [
-            ("tenant", tenant.to_string()),
-            ("resource", resource.as_str().to_owned()),
-        ];
+        // Pages and records seen are counted by the sweep; skips only the client can see.
         if !skipped_records.is_empty() {
-            metrics::counter!(metric::RECORDS_SKIPPED, &labels)
-                .increment(skipped_records.len() as u64);
+            metrics::counter!(
+                metric::RECORDS_SKIPPED,
+                "tenant" => tenant.to_string(),
+                "resource" => resource.as_str()
+            )
+            .increment(skipped_records.len() as u64);
         }
-        metrics::counter!(metric::PAGES, &labels).increment(1);
-        metrics::counter!(metric::RECORDS_SEEN, &labels).increment(page.records.len() as u64);
         Ok(page)
     }
 
@@ -274,12 +279,12 @@ mod tests {
 
     #[test]
     fn records_without_a_usable_id_are_skipped_with_their_position() {
-        let body = br#"{"data":[{"id":1},{"title":"no id"},{"id":"7"},{"id":1.5},{"id":null},42,{"id":99999999999999999999},{"id":-3}],
+        let body = br#"{"data":[{"id":1},{"title":"no id"},{"id":"7"},{"id":1.5},{"id":null},42,{"id":99999999999999999999},{"id":-3},{"id":4,"id":5}],
             "next_cursor":null,"server_time":"2024-01-02T03:04:06+00:00"}"#;
         let decoded = decode_page(body).unwrap();
         let ids: Vec<i64> = decoded.page.records.iter().map(|r| r.id).collect();
         assert_eq!(ids, vec![1, -3]);
-        assert_eq!(decoded.page.skipped, 6);
+        assert_eq!(decoded.page.skipped, 7);
         let reasons: Vec<(usize, SkipReason)> = decoded
             .skipped_records
             .into_iter()
@@ -294,6 +299,10 @@ mod tests {
                 (4, SkipReason::MissingId),
                 (5, SkipReason::NotAnObject),
                 (6, SkipReason::BadId("99999999999999999999".into())),
+                (
+                    8,
+                    SkipReason::Unreadable("duplicate field `id` at line 1 column 12".into())
+                ),
             ]
         );
     }

@@ -114,6 +114,12 @@ impl NatsSink {
             .acquire()
             .await
             .map_err(|_| SinkError::Retriable("nats: sink is shutting down".to_string()))?;
+        // Fail fast while reconnecting rather than queueing into a dead connection.
+        if self.client.connection_state() != State::Connected {
+            return Err(SinkError::Retriable(format!(
+                "nats: not connected to any server, `{subject}` not published (reconnecting)"
+            )));
+        }
         let message = Publish::build()
             .payload(event.payload.clone())
             .message_id(&event.id)
