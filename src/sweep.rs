@@ -24,7 +24,7 @@ use crate::telemetry::metric;
 use crate::upstream::client::UpstreamClient;
 use crate::upstream::error::UpstreamError;
 use crate::upstream::pagination::ListQuery;
-use crate::upstream::Record;
+use crate::upstream::{Page, Record};
 
 /// Which kind of sweep the scheduler asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -354,6 +354,7 @@ impl Sweeper {
             first_server_time.get_or_insert(page.server_time);
             report.pages += 1;
             report.records_seen += page.records.len() as u64;
+            self.count_page(&page);
             self.process_page(plan, &page.records, &mut report).await?;
             if let Some(progress) = &self.progress {
                 progress(self.stream, report.records_seen, report.pages);
@@ -397,6 +398,15 @@ impl Sweeper {
         report.watermark = first_server_time;
         report.records_known = self.store.record_count(self.stream)?;
         Ok(report)
+    }
+
+    fn count_page(&self, page: &Page) {
+        let tenant = self.stream.tenant.to_string();
+        let resource = self.stream.resource.as_str();
+        metrics::counter!(metric::PAGES, "tenant" => tenant.clone(), "resource" => resource)
+            .increment(1);
+        metrics::counter!(metric::RECORDS_SEEN, "tenant" => tenant, "resource" => resource)
+            .increment(page.records.len() as u64);
     }
 
     /// Diffs one page, publishes its changes, and commits them after the acks.
