@@ -415,3 +415,40 @@ async fn run_once_sweeps_every_stream_once_and_exits_1_naming_each_failed_stream
         "{stderr}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_shows_events_on_stdout_within_seconds_and_stops_with_exit_0_on_ctrl_c() {
+    let mut demo = spawn_cli(&[
+        "demo",
+        "--tenants",
+        "2",
+        "--vouchers",
+        "10",
+        "--categories",
+        "3",
+    ]);
+    wait_until(
+        "the demo printed the snapshot of both tenants",
+        WAIT,
+        || demo.stdout().lines().count() >= 2 * (10 + 3),
+    )
+    .await;
+    let banner = demo.stderr();
+    assert!(banner.starts_with("voucher-cdc demo\n"), "{banner}");
+    assert!(banner.contains("simulator  http://127.0.0.1:"), "{banner}");
+    assert!(banner.contains("Ctrl-C stops."), "{banner}");
+    let stdout = demo.stdout();
+    // Only complete lines: the demo may be writing the next one right now.
+    for line in stdout.split_inclusive('\n').filter(|l| l.ends_with('\n')) {
+        let event: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        assert_eq!(event["specversion"], "1.0");
+    }
+    demo.signal("INT");
+    assert_eq!(
+        demo.wait_for(Duration::from_secs(20)),
+        0,
+        "{}",
+        demo.stderr()
+    );
+    assert!(demo.stderr().ends_with("voucher-cdc demo stopped\n"));
+}
