@@ -45,9 +45,7 @@ fn parse_prometheus(text: &str) -> Result<Vec<Sample>, String> {
             }
             continue;
         }
-        let name_end = line
-            .find(|c: char| c == '{' || c == ' ')
-            .ok_or_else(|| at("no value"))?;
+        let name_end = line.find(['{', ' ']).ok_or_else(|| at("no value"))?;
         let name = &line[..name_end];
         if !valid_name(name) {
             return Err(at("invalid metric name"));
