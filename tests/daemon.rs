@@ -5,14 +5,18 @@
 mod common;
 
 use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::Value;
 use voucher_cdc::admin::StatusReport;
 use voucher_cdc::simulator::{Permission, Simulator};
+use voucher_cdc::sinks::testing::{FaultMode, TestSink};
 use voucher_cdc::stream::Resource;
 
-use common::{daemon_toml, spawn_daemon, spawn_small_simulator, wait_until};
+use common::{
+    daemon_toml, spawn_daemon, spawn_daemon_with_sink, spawn_small_simulator, wait_until,
+};
 
 const V: Resource = Resource::Vouchers;
 const C: Resource = Resource::Categories;
@@ -329,5 +333,64 @@ async fn a_stream_refused_access_is_parked_and_visible_while_the_others_go_on_th
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(ready_code, 200);
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_is_bounded_when_the_sink_never_acknowledges_and_loses_nothing() {
+    let sim = spawn_small_simulator(8).await;
+    let dir = tempfile::tempdir().unwrap();
+    let toml = common::set_key(
+        &daemon_toml(&sim.base_url(), sim.token(), dir.path(), &[7]),
+        "poll.shutdown_timeout",
+        "1s",
+    );
+    let stuck = TestSink::new();
+    stuck.set_mode(FaultMode::NeverAck);
+    let mut daemon = spawn_daemon_with_sink(&toml, Some(Arc::new(stuck.clone()))).await;
+    wait_until("both streams are publishing", WAIT, || {
+        stuck.publish_calls() >= 2
+    })
+    .await;
+
+    let started = std::time::Instant::now();
+    daemon.stop().await;
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(5), "stop took {took:?}");
+    assert!(stuck.events().is_empty());
+
+    // Nothing was acknowledged, so nothing was committed: the next run snapshots everything.
+    let mut daemon = spawn_daemon(&toml).await;
+    wait_until("the snapshot arrived after the aborted run", WAIT, || {
+        downstream(&daemon.events(), &[7]) == upstream(&sim, &[7])
+    })
+    .await;
+    daemon.stop().await;
+    assert!(daemon.events().iter().all(|e| e["op"] == "snapshot"));
+    assert_ids_unique(&daemon.events());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sink_failing_its_health_check_makes_readyz_answer_503_naming_it() {
+    let sim = spawn_small_simulator(8).await;
+    let dir = tempfile::tempdir().unwrap();
+    let toml = daemon_toml(&sim.base_url(), sim.token(), dir.path(), &[8]);
+    let sink = TestSink::new();
+    let mut daemon = spawn_daemon_with_sink(&toml, Some(Arc::new(sink.clone()))).await;
+    wait_until("tenant 8 synced", WAIT, || sink.events().len() == 25).await;
+    let (code, body) = get_json(&format!("{}/readyz", daemon.admin_url)).await;
+    assert_eq!(code, 200, "{body}");
+
+    sink.set_mode(FaultMode::Down);
+    let (code, body) = get_json(&format!("{}/readyz", daemon.admin_url)).await;
+    assert_eq!(code, 503);
+    assert_eq!(
+        body["reasons"],
+        serde_json::json!(["sink test: test sink is down"])
+    );
+    let (_, status) = get_json(&format!("{}/v1/status", daemon.admin_url)).await;
+    assert_eq!(status["sink"]["healthy"], false);
+
+    sink.set_mode(FaultMode::Normal);
     daemon.stop().await;
 }

@@ -119,8 +119,16 @@ pub fn sim_toml(sim: &Simulator, dir: &std::path::Path, tenants: &[u64]) -> Stri
     daemon_toml(&sim.base_url(), sim.token(), dir, tenants)
 }
 
-/// Starts a daemon in-process on `toml` (admin port 0 is fine) and waits until its admin API answers.
+/// Starts a daemon in-process on `toml` (admin port 0 is fine).
 pub async fn spawn_daemon(toml: &str) -> TestDaemon {
+    spawn_daemon_with_sink(toml, None).await
+}
+
+/// Like [`spawn_daemon`], publishing to `sink` instead of the configured one.
+pub async fn spawn_daemon_with_sink(
+    toml: &str,
+    sink: Option<std::sync::Arc<dyn voucher_cdc::sinks::Sink>>,
+) -> TestDaemon {
     let config = voucher_cdc::config::from_toml_str(toml).expect("test config is valid");
     let events_path = config
         .sink
@@ -128,9 +136,13 @@ pub async fn spawn_daemon(toml: &str) -> TestDaemon {
         .as_ref()
         .map(|f| f.path.clone())
         .unwrap_or_default();
-    let handle = voucher_cdc::daemon::Daemon::start(config.clone(), std::future::pending::<()>())
-        .await
-        .expect("daemon starts");
+    let handle = voucher_cdc::daemon::Daemon::start_with_sink(
+        config.clone(),
+        sink,
+        std::future::pending::<()>(),
+    )
+    .await
+    .expect("daemon starts");
     let admin_url = handle.admin_url();
     TestDaemon {
         handle: Some(handle),
