@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::Value;
+use tokio_util::sync::CancellationToken;
 use voucher_cdc::admin::StatusReport;
+use voucher_cdc::scheduler::{StepOutcome, StreamRunner, Timing};
 use voucher_cdc::simulator::{Permission, Simulator};
 use voucher_cdc::sinks::testing::{FaultMode, TestSink};
 use voucher_cdc::stream::Resource;
@@ -393,4 +395,88 @@ async fn a_sink_failing_its_health_check_makes_readyz_answer_503_naming_it() {
 
     sink.set_mode(FaultMode::Normal);
     daemon.stop().await;
+}
+
+fn runner_for(
+    sim: &Simulator,
+    token: &str,
+    stream: voucher_cdc::stream::StreamKey,
+    store: Arc<dyn voucher_cdc::state::StateStore>,
+    sink: &TestSink,
+    full_resync_interval: Duration,
+) -> StreamRunner {
+    use voucher_cdc::upstream::client::{ClientOptions, SecretToken, UpstreamClient};
+    use voucher_cdc::upstream::ratelimit::RateBudget;
+    let client = UpstreamClient::new(
+        ClientOptions {
+            base_url: sim.base_url().parse().unwrap(),
+            max_attempts: 1,
+            ..ClientOptions::default()
+        },
+        SecretToken::new(token),
+        Arc::new(RateBudget::new(0)),
+    )
+    .unwrap();
+    let sweeper = voucher_cdc::sweep::Sweeper {
+        stream,
+        client,
+        store,
+        sink: Arc::new(sink.clone()),
+        settings: Arc::new(voucher_cdc::sweep::SweepSettings::default()),
+        progress: None,
+        shutdown: CancellationToken::new(),
+    };
+    StreamRunner::new(
+        sweeper,
+        Timing {
+            interval: Duration::from_secs(1),
+            full_resync_interval,
+            park_recheck_interval: Duration::from_secs(300),
+            jitter: 0.1,
+        },
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scheduler_step_sweeps_full_when_due_and_parks_then_unparks_a_refused_stream() {
+    use voucher_cdc::stream::StreamKey;
+    let sim = spawn_small_simulator(10).await;
+    sim.add_token("only-9", Some(vec![9]), &Permission::ALL);
+    let store: Arc<dyn voucher_cdc::state::StateStore> =
+        Arc::new(voucher_cdc::state::SledStore::open_temporary().unwrap());
+    let sink = TestSink::new();
+    let hour = Duration::from_secs(3600);
+    let nine = StreamKey::new(9, V);
+
+    let runner = runner_for(&sim, "only-9", nine, store.clone(), &sink, hour);
+    let StepOutcome::Swept(first) = runner.run_once(CancellationToken::new()).await else {
+        panic!("the first sync sweeps")
+    };
+    assert_eq!((first.kind, first.snapshots), ("full", 20));
+    let StepOutcome::Swept(second) = runner.run_once(CancellationToken::new()).await else {
+        panic!("the second step sweeps")
+    };
+    assert_eq!((second.kind, second.events()), ("incremental", 0));
+    let always_full = runner_for(&sim, "only-9", nine, store.clone(), &sink, Duration::ZERO);
+    let StepOutcome::Swept(third) = always_full.run_once(CancellationToken::new()).await else {
+        panic!("the full step sweeps")
+    };
+    assert_eq!((third.kind, third.events()), ("full", 0));
+
+    let ten = StreamKey::new(10, V);
+    let refused = runner_for(&sim, "only-9", ten, store.clone(), &sink, hour);
+    let outcome = refused.run_once(CancellationToken::new()).await;
+    let StepOutcome::Parked(reason) = &outcome else {
+        panic!("a refused stream parks: {outcome:?}")
+    };
+    assert!(reason.starts_with("upstream returned 40"), "{reason}");
+    let state = store.load_stream(ten).unwrap();
+    assert_eq!(state.parked.as_deref(), Some(reason.as_str()));
+    assert_eq!(state.last_error.as_deref(), Some(reason.as_str()));
+
+    sim.add_token("only-9", None, &Permission::ALL);
+    assert!(refused.run_once(CancellationToken::new()).await.is_ok());
+    let state = store.load_stream(ten).unwrap();
+    assert_eq!((state.parked, state.last_error), (None, None));
+    assert_eq!(state.records_known, 20);
 }
