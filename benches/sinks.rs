@@ -75,7 +75,9 @@ fn sinks(c: &mut Criterion) {
     let cluster = MockCluster::new(1).unwrap();
     cluster.create_topic("voucher_cdc.vouchers", 3, 1).unwrap();
     let config = KafkaSinkConfig::new(cluster.bootstrap_servers());
-    let sink = runtime.block_on(KafkaSink::new(&config, &[stream])).unwrap();
+    let sink = runtime
+        .block_on(KafkaSink::new(&config, &[stream]))
+        .unwrap();
     group.bench_function("kafka_mockcluster_1kb_x1000", |b| {
         b.to_async(&runtime).iter_batched(
             || batch(&template, &next_id),
