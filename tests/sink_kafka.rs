@@ -4,6 +4,7 @@
 //! every failed one is reported retriable and succeeds on retry.
 
 #[path = "common/brokers.rs"]
+#[allow(dead_code)]
 mod brokers;
 
 use std::collections::BTreeMap;

@@ -4,6 +4,7 @@
 //! the middle of a batch.
 
 #[path = "common/brokers.rs"]
+#[allow(dead_code)]
 mod brokers;
 
 use std::collections::BTreeSet;

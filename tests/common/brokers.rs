@@ -2,8 +2,8 @@
 //! tansu Kafka broker, each started on a free port with its own store, plus
 //! a Kafka read-back helper and an event factory.
 //!
-//! Include with `#[path = "common/brokers.rs"] mod brokers;`.
-#![allow(dead_code)]
+//! Include with `#[path = "common/brokers.rs"] #[allow(dead_code)] mod brokers;`
+//! (each includer uses a different part).
 
 use std::fs::OpenOptions;
 use std::net::{TcpListener, TcpStream};
