@@ -6,6 +6,7 @@ pub mod cli;
 pub mod config;
 pub mod diff;
 pub mod event;
+pub mod secret;
 pub mod shard;
 pub mod simulator;
 pub mod sinks;

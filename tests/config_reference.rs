@@ -20,12 +20,18 @@ fn tables() -> Vec<(&'static str, String)> {
         ("state", "[state]\n__probe = 1\n".to_string()),
         ("sink", "[sink]\n__probe = 1\n".to_string()),
         ("sink.nats", "[sink.nats]\n__probe = 1\n".to_string()),
-        ("sink.nats.tls", "[sink.nats.tls]\n__probe = 1\n".to_string()),
+        (
+            "sink.nats.tls",
+            "[sink.nats.tls]\n__probe = 1\n".to_string(),
+        ),
         (
             "sink.kafka",
             "[sink.kafka]\nbrokers = \"b:9092\"\n__probe = 1\n".to_string(),
         ),
-        ("sink.file", "[sink.file]\npath = \"x\"\n__probe = 1\n".to_string()),
+        (
+            "sink.file",
+            "[sink.file]\npath = \"x\"\n__probe = 1\n".to_string(),
+        ),
         ("admin", "[admin]\n__probe = 1\n".to_string()),
         ("log", "[log]\n__probe = 1\n".to_string()),
         ("shard", "[shard]\n__probe = 1\n".to_string()),
@@ -52,12 +58,18 @@ fn accepted_keys(doc: &str) -> BTreeSet<String> {
 /// The keys documented per section: the first column of the table that
 /// follows each `## [section]` / `### [section]` heading.
 fn documented_keys() -> BTreeMap<String, BTreeSet<String>> {
-    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/configuration.md"))
-        .expect("docs/configuration.md exists");
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/docs/configuration.md"
+    ))
+    .expect("docs/configuration.md exists");
     let mut sections: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     let mut current: Option<String> = None;
     for line in text.lines() {
-        if let Some(heading) = line.strip_prefix("## ").or_else(|| line.strip_prefix("### ")) {
+        if let Some(heading) = line
+            .strip_prefix("## ")
+            .or_else(|| line.strip_prefix("### "))
+        {
             current = heading
                 .trim()
                 .strip_prefix("`[")
@@ -69,7 +81,10 @@ fn documented_keys() -> BTreeMap<String, BTreeSet<String>> {
             continue;
         };
         if let Some((key, _)) = row.split_once('`') {
-            sections.entry(section.clone()).or_default().insert(key.to_string());
+            sections
+                .entry(section.clone())
+                .or_default()
+                .insert(key.to_string());
         }
     }
     sections
@@ -86,17 +101,23 @@ fn every_config_key_is_documented_and_every_documented_key_exists() {
             // Top-level keys are the sections themselves: each needs a heading.
             for key in &accepted {
                 if !documented.contains_key(key.as_str()) {
-                    problems.push(format!("section [{key}] has no heading in docs/configuration.md"));
+                    problems.push(format!(
+                        "section [{key}] has no heading in docs/configuration.md"
+                    ));
                 }
             }
             continue;
         }
         let docs = documented.get(table).cloned().unwrap_or_default();
         for key in accepted.difference(&docs) {
-            problems.push(format!("{table}.{key}: accepted by the config but missing from docs/configuration.md"));
+            problems.push(format!(
+                "{table}.{key}: accepted by the config but missing from docs/configuration.md"
+            ));
         }
         for key in docs.difference(&accepted) {
-            problems.push(format!("{table}.{key}: documented but not accepted by the config ({name})"));
+            problems.push(format!(
+                "{table}.{key}: documented but not accepted by the config ({name})"
+            ));
         }
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
