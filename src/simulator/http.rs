@@ -399,8 +399,11 @@ async fn guard(
                 status,
                 retry_after,
             }) => {
-                let code =
-                    StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+                // A 1xx cannot end an exchange and an invalid code cannot be sent: both become 500.
+                let code = StatusCode::from_u16(status)
+                    .ok()
+                    .filter(|code| code.as_u16() >= 200)
+                    .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
                 let mut response = message(code, format!("injected fault: status {status}"));
                 if let Some(value) = retry_after.and_then(|v| HeaderValue::from_str(&v).ok()) {
                     response.headers_mut().insert(header::RETRY_AFTER, value);
