@@ -311,11 +311,7 @@ pub fn replay_event(
         previous_hash: None,
         replay_id: Some(replay_id),
     });
-    let partition_key = format!(
-        "{}:{}:replay",
-        stream.tenant,
-        stream.resource.singular()
-    );
+    let partition_key = format!("{}:{}:replay", stream.tenant, stream.resource.singular());
     let doc = CloudEvent {
         specversion: "1.0",
         id: &id,

@@ -2,9 +2,15 @@
 //! changes against a store of content hashes, and publishes CloudEvents to
 //! Kafka, NATS JetStream, a file or stdout.
 
+pub mod cli;
+pub mod config;
+pub mod diff;
 pub mod event;
+pub mod shard;
 pub mod simulator;
 pub mod sinks;
+pub mod state;
 pub mod stream;
+pub mod sweep;
 pub mod telemetry;
 pub mod upstream;

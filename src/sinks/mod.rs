@@ -4,9 +4,17 @@
 //! A sink acknowledges each event on its own; the sweep commits a record's
 //! content hash only after its event was acknowledged (DESIGN.md, invariant).
 
+pub mod kafka;
+pub mod metrics;
+pub mod nats;
+
 use async_trait::async_trait;
 
 use crate::event::Event;
+
+pub mod file;
+pub mod stdout;
+pub mod testing;
 
 /// Why an event (or the sink as a whole) failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -1,7 +1,11 @@
 //! The upstream External Voucher API: wire model, HTTP client, pagination and
 //! the shared rate budget.
 
+pub mod client;
+pub mod error;
 pub mod model;
+pub mod pagination;
+pub mod ratelimit;
 
 use chrono::{DateTime, Utc};
 use serde_json::value::RawValue;

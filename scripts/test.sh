@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The whole test suite, on a fresh machine: installs what is missing (system
+# packages, nats-server, the tansu broker), then runs fmt, clippy, the tests
+# and the deployment checks. Caches live outside the clone (see CACHE below).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+CACHE="${VOUCHER_CDC_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/voucher-cdc}"
+export VOUCHER_CDC_CACHE="$CACHE"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$CACHE/target}"
+mkdir -p "$CACHE"
+
+log() { printf '==> %s\n' "$*"; }
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+# System packages: a C toolchain for librdkafka's bundled build, nats-server
+# for the NATS tests, python3 for the deployment checks.
+missing=()
+command -v cc >/dev/null || missing+=(build-essential)
+command -v make >/dev/null || missing+=(make)
+command -v perl >/dev/null || missing+=(perl)
+command -v python3 >/dev/null || missing+=(python3)
+command -v nats-server >/dev/null || missing+=(nats-server)
+command -v pkg-config >/dev/null || missing+=(pkg-config)
+if [ "${#missing[@]}" -gt 0 ]; then
+  log "installing system packages: ${missing[*]}"
+  as_root apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${missing[@]}"
+fi
+
+if ! command -v cargo >/dev/null; then
+  echo "error: cargo not found; install Rust stable (rustup) first" >&2
+  exit 1
+fi
+
+log "tansu broker (cached in $CACHE)"
+TANSU_BIN="$(bash scripts/install-tansu.sh | tail -n 1)"
+export TANSU_BIN
+
+log "cargo fmt --check"
+cargo fmt --all -- --check
+
+log "cargo clippy --all-targets -- -D warnings"
+cargo clippy --all-targets --locked -- -D warnings
+
+log "cargo test"
+cargo test --locked --lib --bins --tests -- --test-threads "${TEST_THREADS:-4}"
+
+if [ -f scripts/validate-deploy.sh ]; then
+  log "deployment files"
+  bash scripts/validate-deploy.sh
+fi
+
+log "all checks passed"

@@ -1,0 +1,127 @@
+//! Which librdkafka errors a later retry can cure and which it cannot, as a
+//! pure function of the error code so the rules are testable without a broker.
+//!
+//! Retriable: the broker or network is away or slow, leadership is moving,
+//! the local queue is full, the topic does not exist yet. Fatal: the message
+//! or the configuration is wrong (too large, not authorized, invalid) or the
+//! idempotent producer lost its guarantees; retrying the same event cannot help.
+
+use rdkafka::types::RDKafkaErrorCode;
+
+/// Whether a failed delivery may succeed when retried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// Retry later; nothing is wrong with the event itself.
+    Retriable,
+    /// Retrying cannot help; an operator must act.
+    Fatal,
+}
+
+/// Classifies a librdkafka error code.
+pub fn classify(code: RDKafkaErrorCode) -> Failure {
+    use RDKafkaErrorCode as C;
+    match code {
+        C::MessageSizeTooLarge
+        | C::InvalidMessageSize
+        | C::MessageBatchTooLarge
+        | C::InvalidTopic
+        | C::InvalidRecord
+        | C::InvalidRequiredAcks
+        | C::InvalidConfig
+        | C::InvalidArgument
+        | C::InvalidRequest
+        | C::PolicyViolation
+        | C::UnsupportedForMessageFormat
+        | C::UnsupportedVersion
+        | C::UnsupportedCompressionType
+        | C::UnsupportedFeature
+        | C::TopicAuthorizationFailed
+        | C::ClusterAuthorizationFailed
+        | C::TransactionalIdAuthorizationFailed
+        | C::SaslAuthenticationFailed
+        | C::UnsupportedSASLMechanism
+        | C::IllegalSASLState
+        | C::Authentication
+        | C::KeySerialization
+        | C::ValueSerialization
+        | C::BadMessage
+        | C::ProducerFenced
+        | C::Fenced
+        | C::Fatal => Failure::Fatal,
+        // Transport, timeouts, leadership changes, full queues, missing
+        // topics and every code not listed: the sweep waits and retries.
+        _ => Failure::Retriable,
+    }
+}
+
+/// A hint appended to the error text for codes an operator can act on.
+pub fn hint(code: RDKafkaErrorCode) -> Option<&'static str> {
+    use RDKafkaErrorCode as C;
+    match code {
+        C::UnknownTopic | C::UnknownTopicOrPartition => {
+            Some("create the topic or set sink.kafka.create_topics = true")
+        }
+        C::MessageSizeTooLarge | C::InvalidMessageSize | C::MessageBatchTooLarge => {
+            Some("raise the topic's max.message.bytes or the producer's message.max.bytes")
+        }
+        C::TopicAuthorizationFailed | C::ClusterAuthorizationFailed => {
+            Some("grant the principal WRITE on the topic and IDEMPOTENT_WRITE on the cluster")
+        }
+        C::AllBrokersDown | C::BrokerTransportFailure | C::MessageTimedOut | C::Resolve => {
+            Some("broker unreachable")
+        }
+        C::Fatal => Some("the idempotent producer stopped; restart voucher-cdc"),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn broker_and_network_trouble_is_retriable() {
+        for code in [
+            RDKafkaErrorCode::BrokerTransportFailure,
+            RDKafkaErrorCode::AllBrokersDown,
+            RDKafkaErrorCode::MessageTimedOut,
+            RDKafkaErrorCode::RequestTimedOut,
+            RDKafkaErrorCode::OperationTimedOut,
+            RDKafkaErrorCode::QueueFull,
+            RDKafkaErrorCode::LeaderNotAvailable,
+            RDKafkaErrorCode::NotLeaderForPartition,
+            RDKafkaErrorCode::NotEnoughReplicas,
+            RDKafkaErrorCode::NotEnoughReplicasAfterAppend,
+            RDKafkaErrorCode::NetworkException,
+            RDKafkaErrorCode::UnknownTopicOrPartition,
+            RDKafkaErrorCode::KafkaStorageError,
+            RDKafkaErrorCode::PurgeQueue,
+        ] {
+            assert_eq!(classify(code), Failure::Retriable, "{code:?}");
+        }
+    }
+
+    #[test]
+    fn rejected_messages_authorization_and_config_are_fatal() {
+        for code in [
+            RDKafkaErrorCode::MessageSizeTooLarge,
+            RDKafkaErrorCode::InvalidMessageSize,
+            RDKafkaErrorCode::TopicAuthorizationFailed,
+            RDKafkaErrorCode::ClusterAuthorizationFailed,
+            RDKafkaErrorCode::InvalidConfig,
+            RDKafkaErrorCode::InvalidTopic,
+            RDKafkaErrorCode::SaslAuthenticationFailed,
+            RDKafkaErrorCode::Fatal,
+        ] {
+            assert_eq!(classify(code), Failure::Fatal, "{code:?}");
+        }
+    }
+
+    #[test]
+    fn operator_fixable_codes_carry_a_hint() {
+        assert!(hint(RDKafkaErrorCode::UnknownTopicOrPartition)
+            .unwrap()
+            .contains("create_topics"));
+        assert!(hint(RDKafkaErrorCode::QueueFull).is_none());
+    }
+}

@@ -1,0 +1,353 @@
+//! The Kafka sink: an idempotent librdkafka producer (`acks=all`) that sends
+//! each event to the topic of its stream, keyed by `partitionkey`, followed by
+//! a null-value tombstone after every delete when `tombstones = true`.
+//!
+//! An event counts as acknowledged only when every record it produced (the
+//! event, and its tombstone) was delivered. A full local queue is
+//! backpressure: the enqueue waits and tries again. Nothing is ever dropped
+//! with messages queued: `flush()` and `Drop` both wait for the queue.
+
+pub mod classify;
+pub mod config;
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::error::KafkaError;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
+use rdkafka::types::RDKafkaErrorCode;
+
+pub use self::classify::Failure;
+pub use self::config::{KafkaConfigError, KafkaSinkConfig, TopicTemplate};
+use crate::event::Event;
+use crate::sinks::metrics::{record_publish, record_sink_up};
+use crate::sinks::{Ack, Sink, SinkError};
+use crate::stream::StreamKey;
+
+/// The sink name used in logs and metrics.
+const SINK: &str = "kafka";
+
+/// The `content-type` header every event record carries.
+pub const CONTENT_TYPE: &str = "application/cloudevents+json";
+
+/// How long one metadata request of the health check may take.
+const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why the Kafka sink could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum KafkaSinkError {
+    /// A `[sink.kafka]` value is invalid.
+    #[error(transparent)]
+    Config(#[from] KafkaConfigError),
+    /// librdkafka refused the client configuration.
+    #[error("kafka (brokers `{brokers}`): cannot create the client: {reason}")]
+    Client {
+        /// The configured brokers.
+        brokers: String,
+        /// What librdkafka said.
+        reason: String,
+    },
+    /// `create_topics` could not create a topic.
+    #[error("kafka (brokers `{brokers}`): cannot create topic `{topic}`: {reason}")]
+    CreateTopic {
+        /// The configured brokers.
+        brokers: String,
+        /// The topic that failed.
+        topic: String,
+        /// What the broker said.
+        reason: String,
+    },
+}
+
+/// Publishes events to Kafka topics.
+pub struct KafkaSink {
+    producer: FutureProducer,
+    template: TopicTemplate,
+    tombstones: bool,
+    message_timeout: Duration,
+    brokers: String,
+}
+
+impl std::fmt::Debug for KafkaSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaSink")
+            .field("brokers", &self.brokers)
+            .field("template", &self.template)
+            .field("tombstones", &self.tombstones)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KafkaSink {
+    /// Validates `config`, creates the producer and, with `create_topics`,
+    /// creates the missing topics of `topics_for` through the admin API.
+    pub async fn new(
+        config: &KafkaSinkConfig,
+        topics_for: &[StreamKey],
+    ) -> Result<Self, KafkaSinkError> {
+        let template = config.validate()?;
+        let client_config = client_config(config);
+        let producer: FutureProducer = client_config
+            .create()
+            .map_err(|e| client_error(config, &e))?;
+        if config.create_topics {
+            let topics: BTreeSet<String> = topics_for.iter().map(|s| template.render(*s)).collect();
+            create_topics(config, &client_config, &topics).await?;
+        }
+        record_sink_up(SINK, true);
+        Ok(Self {
+            producer,
+            template,
+            tombstones: config.tombstones,
+            message_timeout: config.message_timeout,
+            brokers: config.brokers.clone(),
+        })
+    }
+
+    /// Queues one record, waiting while the local queue is full.
+    async fn enqueue(
+        &self,
+        mut record: FutureRecord<'_, [u8], [u8]>,
+    ) -> Result<DeliveryFuture, SinkError> {
+        let deadline = Instant::now() + self.message_timeout;
+        loop {
+            match self.producer.send_result(record) {
+                Ok(delivery) => return Ok(delivery),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), returned))
+                    if Instant::now() < deadline =>
+                {
+                    record = returned;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Err((e, returned)) => return Err(self.failure(returned.topic, &e)),
+            }
+        }
+    }
+
+    /// Queues an event (and its tombstone); returns the deliveries to await.
+    async fn enqueue_event(&self, event: &Event) -> Result<Vec<DeliveryFuture>, SinkError> {
+        let topic = self.template.render(event.stream);
+        let headers = OwnedHeaders::new().insert(Header {
+            key: "content-type",
+            value: Some(CONTENT_TYPE),
+        });
+        let record = FutureRecord::to(&topic)
+            .key(event.partition_key.as_bytes())
+            .payload(&event.payload[..])
+            .headers(headers);
+        let mut deliveries = vec![self.enqueue(record).await?];
+        if self.tombstones && event.is_delete() {
+            let tombstone = FutureRecord::to(&topic).key(event.partition_key.as_bytes());
+            deliveries.push(self.enqueue(tombstone).await?);
+        }
+        Ok(deliveries)
+    }
+
+    fn failure(&self, topic: &str, error: &KafkaError) -> SinkError {
+        let Some(code) = error.rdkafka_error_code() else {
+            return SinkError::Retriable(format!(
+                "kafka: delivery to topic `{topic}` (brokers `{}`) failed: {error}",
+                self.brokers
+            ));
+        };
+        let hint = classify::hint(code)
+            .map(|h| format!(" ({h})"))
+            .unwrap_or_default();
+        let message = format!(
+            "kafka: delivery to topic `{topic}` (brokers `{}`) failed: {code}{hint}",
+            self.brokers
+        );
+        match classify::classify(code) {
+            Failure::Retriable => SinkError::Retriable(message),
+            Failure::Fatal => SinkError::Fatal(message),
+        }
+    }
+
+    async fn await_deliveries(&self, topic: &str, deliveries: Vec<DeliveryFuture>) -> Ack {
+        for delivery in deliveries {
+            match delivery.await {
+                Ok(Ok(_)) => {}
+                Ok(Err((e, _))) => return Err(self.failure(topic, &e)),
+                Err(_canceled) => {
+                    return Err(SinkError::Retriable(format!(
+                        "kafka: delivery to topic `{topic}` was cancelled (producer closed)"
+                    )))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn flush_blocking(producer: &FutureProducer, timeout: Duration) -> Result<(), KafkaError> {
+        if producer.in_flight_count() == 0 {
+            return Ok(());
+        }
+        producer.flush(timeout)
+    }
+}
+
+#[async_trait]
+impl Sink for KafkaSink {
+    fn name(&self) -> &str {
+        SINK
+    }
+
+    async fn publish(&self, events: &[Event]) -> Vec<Ack> {
+        let started = Instant::now();
+        // Queue everything first so librdkafka batches; then await every delivery.
+        let mut queued = Vec::with_capacity(events.len());
+        for event in events {
+            queued.push(self.enqueue_event(event).await);
+        }
+        let mut acks = Vec::with_capacity(events.len());
+        for (event, queued) in events.iter().zip(queued) {
+            acks.push(match queued {
+                Ok(deliveries) => {
+                    let topic = self.template.render(event.stream);
+                    self.await_deliveries(&topic, deliveries).await
+                }
+                Err(e) => Err(e),
+            });
+        }
+        record_publish(SINK, started, &acks);
+        acks
+    }
+
+    async fn health(&self) -> Result<(), SinkError> {
+        let producer = self.producer.clone();
+        let outcome = tokio::task::spawn_blocking(move || {
+            producer
+                .client()
+                .fetch_metadata(None, HEALTH_TIMEOUT)
+                .map(drop)
+        })
+        .await;
+        let result = match outcome {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(SinkError::Retriable(format!(
+                "kafka: brokers `{}` unreachable: {e}",
+                self.brokers
+            ))),
+            Err(e) => Err(SinkError::Retriable(format!(
+                "kafka: health check did not finish: {e}"
+            ))),
+        };
+        record_sink_up(SINK, result.is_ok());
+        result
+    }
+
+    async fn flush(&self) -> Result<(), SinkError> {
+        let producer = self.producer.clone();
+        let timeout = self.message_timeout;
+        let outcome =
+            tokio::task::spawn_blocking(move || Self::flush_blocking(&producer, timeout)).await;
+        match outcome {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(SinkError::Retriable(format!(
+                "kafka: flush to brokers `{}` failed: {e}",
+                self.brokers
+            ))),
+            Err(e) => Err(SinkError::Retriable(format!(
+                "kafka: flush did not finish: {e}"
+            ))),
+        }
+    }
+}
+
+impl Drop for KafkaSink {
+    fn drop(&mut self) {
+        // librdkafka purges queued messages when the producer is destroyed:
+        // wait for them first (only a cancelled publish can leave any).
+        if let Err(e) = Self::flush_blocking(&self.producer, self.message_timeout) {
+            tracing::warn!(sink = SINK, error = %e, "kafka producer dropped with undelivered messages");
+        }
+    }
+}
+
+/// The librdkafka configuration: ours first, then the operator's extra properties.
+fn client_config(config: &KafkaSinkConfig) -> ClientConfig {
+    let mut client = ClientConfig::new();
+    client
+        .set("bootstrap.servers", &config.brokers)
+        .set("client.id", "voucher-cdc")
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set(
+            "message.timeout.ms",
+            config.message_timeout.as_millis().to_string(),
+        );
+    for (key, value) in &config.properties {
+        client.set(key, value);
+    }
+    client
+}
+
+fn client_error(config: &KafkaSinkConfig, error: &KafkaError) -> KafkaSinkError {
+    let reason = match error {
+        KafkaError::ClientConfig(_, description, key, _value) => {
+            format!("invalid property sink.kafka.properties.\"{key}\": {description}")
+        }
+        other => other.to_string(),
+    };
+    KafkaSinkError::Client {
+        brokers: config.brokers.clone(),
+        reason,
+    }
+}
+
+/// Creates the topics; ones that already exist are fine.
+async fn create_topics(
+    config: &KafkaSinkConfig,
+    client_config: &ClientConfig,
+    topics: &BTreeSet<String>,
+) -> Result<(), KafkaSinkError> {
+    if topics.is_empty() {
+        return Ok(());
+    }
+    let admin: AdminClient<DefaultClientContext> = client_config
+        .create()
+        .map_err(|e| client_error(config, &e))?;
+    let new_topics: Vec<NewTopic<'_>> = topics
+        .iter()
+        .map(|t| {
+            NewTopic::new(
+                t,
+                config.topic_partitions,
+                TopicReplication::Fixed(config.topic_replication_factor),
+            )
+        })
+        .collect();
+    let options = AdminOptions::new()
+        .request_timeout(Some(config.message_timeout))
+        .operation_timeout(Some(config.message_timeout));
+    let first_topic = topics.iter().next().cloned().unwrap_or_default();
+    let results = admin
+        .create_topics(&new_topics, &options)
+        .await
+        .map_err(|e| KafkaSinkError::CreateTopic {
+            brokers: config.brokers.clone(),
+            topic: first_topic,
+            reason: e.to_string(),
+        })?;
+    for result in results {
+        match result {
+            Ok(topic) => tracing::info!(sink = SINK, topic = %topic, "created kafka topic"),
+            Err((topic, RDKafkaErrorCode::TopicAlreadyExists)) => {
+                tracing::debug!(sink = SINK, topic = %topic, "kafka topic exists")
+            }
+            Err((topic, code)) => {
+                return Err(KafkaSinkError::CreateTopic {
+                    brokers: config.brokers.clone(),
+                    topic,
+                    reason: code.to_string(),
+                })
+            }
+        }
+    }
+    Ok(())
+}

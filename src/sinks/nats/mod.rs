@@ -1,0 +1,389 @@
+//! The NATS JetStream sink: publishes every event to
+//! `{subject_prefix}.{tenant}.{type}` with `Nats-Msg-Id` = event id, keeps
+//! many publishes in flight, and reports an event as acknowledged only once
+//! its PubAck arrived (a PubAck flagged duplicate is an ack too: the stream
+//! already holds the event).
+//!
+//! Start-up connects (retrying unreachable servers for `connect_timeout`,
+//! then failing with the URLs named) and creates or updates the stream.
+//! Afterwards the client reconnects on its own, endlessly; while no server is
+//! reachable publishes fail as retriable after `publish_timeout`.
+
+pub mod config;
+pub mod stream;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::connection::State;
+use async_nats::jetstream::context::{Publish, PublishErrorKind};
+use async_nats::jetstream::ErrorCode;
+use async_nats::{Client, ConnectErrorKind, ConnectOptions, Event as ClientEvent, ServerAddr};
+use async_trait::async_trait;
+use futures::StreamExt;
+use tokio::sync::Semaphore;
+
+pub use self::config::{NatsConfigError, NatsSinkConfig, NatsTlsConfig, Secret};
+use crate::event::Event;
+use crate::sinks::metrics::{record_publish, record_sink_up};
+use crate::sinks::{Ack, Sink, SinkError};
+
+/// The sink name used in logs and metrics.
+const SINK: &str = "nats";
+
+/// The `Content-Type` every message carries (structured-mode CloudEvents).
+pub const CONTENT_TYPE: &str = "application/cloudevents+json";
+
+/// Bytes the two headers add to a message besides the event id, for the size check.
+const HEADER_OVERHEAD: usize = 128;
+
+/// Why the NATS sink could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum NatsSinkError {
+    /// A `[sink.nats]` value is invalid.
+    #[error(transparent)]
+    Config(#[from] NatsConfigError),
+    /// No server could be reached, or it refused us.
+    #[error("nats: cannot connect to {urls}: {reason}")]
+    Connect {
+        /// The configured URLs.
+        urls: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The stream cannot be created or updated to fit.
+    #[error("nats stream `{stream}`: {reason}")]
+    Stream {
+        /// The configured stream name.
+        stream: String,
+        /// What conflicts.
+        reason: String,
+    },
+}
+
+/// Publishes events to a JetStream stream.
+pub struct NatsSink {
+    client: Client,
+    js: async_nats::jetstream::Context,
+    subject_prefix: String,
+    publish_timeout: Duration,
+    max_in_flight: usize,
+    in_flight: Arc<Semaphore>,
+}
+
+impl std::fmt::Debug for NatsSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsSink")
+            .field("subject_prefix", &self.subject_prefix)
+            .field("max_in_flight", &self.max_in_flight)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NatsSink {
+    /// Validates `config`, connects, and creates or updates the stream.
+    pub async fn connect(config: &NatsSinkConfig) -> Result<Self, NatsSinkError> {
+        config.validate()?;
+        let client = connect_with_retry(config).await?;
+        let mut js = async_nats::jetstream::new(client.clone());
+        js.set_timeout(config.publish_timeout);
+        stream::ensure_stream(&js, config).await?;
+        record_sink_up(SINK, true);
+        Ok(Self {
+            client,
+            js,
+            subject_prefix: config.subject_prefix.clone(),
+            publish_timeout: config.publish_timeout,
+            max_in_flight: config.max_in_flight,
+            in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
+        })
+    }
+
+    async fn publish_one(&self, event: &Event, max_payload: usize) -> Ack {
+        let subject = subject_for(&self.subject_prefix, event);
+        let size = event.payload.len() + event.id.len() + HEADER_OVERHEAD;
+        if max_payload > 0 && size > max_payload {
+            return Err(SinkError::Fatal(format!(
+                "nats: event {} for `{subject}` is {} bytes, more than the server's max_payload of {max_payload}",
+                event.id,
+                event.payload.len()
+            )));
+        }
+        let _permit = self
+            .in_flight
+            .acquire()
+            .await
+            .map_err(|_| SinkError::Retriable("nats: sink is shutting down".to_string()))?;
+        // Fail fast while reconnecting rather than queueing into a dead connection.
+        if self.client.connection_state() != State::Connected {
+            return Err(SinkError::Retriable(format!(
+                "nats: not connected to any server, `{subject}` not published (reconnecting)"
+            )));
+        }
+        let message = Publish::build()
+            .payload(event.payload.clone())
+            .message_id(&event.id)
+            .header("Content-Type", CONTENT_TYPE);
+        let ack = self
+            .js
+            .send_publish(subject.clone(), message)
+            .await
+            .map_err(|e| self.failure(&subject, e))?;
+        // A duplicate PubAck means the stream already stores this event: acknowledged.
+        ack.await.map(drop).map_err(|e| self.failure(&subject, e))
+    }
+
+    fn failure(
+        &self,
+        subject: &str,
+        error: async_nats::jetstream::context::PublishError,
+    ) -> SinkError {
+        let code = std::error::Error::source(&error)
+            .and_then(|s| s.downcast_ref::<async_nats::jetstream::Error>())
+            .map(|e| e.error_code());
+        let kind = error.kind();
+        let message = match kind {
+            PublishErrorKind::TimedOut => format!(
+                "nats: no ack for `{subject}` within {} (server unreachable or overloaded)",
+                humantime::format_duration(self.publish_timeout)
+            ),
+            PublishErrorKind::BrokenPipe => {
+                format!("nats: connection lost before the ack for `{subject}` arrived")
+            }
+            PublishErrorKind::StreamNotFound => format!(
+                "nats: no stream listens on `{subject}` (stream deleted or jetstream not ready)"
+            ),
+            _ => format!("nats: publish to `{subject}` failed: {error}"),
+        };
+        if is_fatal(kind, code) {
+            SinkError::Fatal(message)
+        } else {
+            SinkError::Retriable(message)
+        }
+    }
+}
+
+/// The subject of an event: `{subject_prefix}.{tenant}.{type}`.
+pub fn subject_for(subject_prefix: &str, event: &Event) -> String {
+    format!(
+        "{subject_prefix}.{}.{}",
+        event.stream.tenant,
+        event.ty.as_str()
+    )
+}
+
+/// True when retrying the same publish cannot succeed.
+///
+/// Only a message the stream rejects as too large (and the optimistic-concurrency
+/// failures this sink never asks for) are fatal; timeouts, lost connections,
+/// a missing stream and full or unavailable storage clear up on their own or
+/// by operator action, so the sweep waits and retries them.
+pub fn is_fatal(kind: PublishErrorKind, code: Option<ErrorCode>) -> bool {
+    match kind {
+        PublishErrorKind::WrongLastMessageId | PublishErrorKind::WrongLastSequence => true,
+        PublishErrorKind::Other => code == Some(ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM),
+        _ => false,
+    }
+}
+
+#[async_trait]
+impl Sink for NatsSink {
+    fn name(&self) -> &str {
+        SINK
+    }
+
+    async fn publish(&self, events: &[Event]) -> Vec<Ack> {
+        let started = Instant::now();
+        let max_payload = self.client.server_info().max_payload;
+        let mut acks: Vec<Ack> = vec![Ok(()); events.len()];
+        // Built up front (they start only when polled) to keep the stream's item type simple.
+        let publishes: Vec<_> = events
+            .iter()
+            .enumerate()
+            .map(
+                |(index, event)| async move { (index, self.publish_one(event, max_payload).await) },
+            )
+            .collect();
+        let mut outcomes = futures::stream::iter(publishes).buffer_unordered(self.max_in_flight);
+        while let Some((index, outcome)) = outcomes.next().await {
+            acks[index] = outcome;
+        }
+        record_publish(SINK, started, &acks);
+        acks
+    }
+
+    async fn health(&self) -> Result<(), SinkError> {
+        let up = self.client.connection_state() == State::Connected;
+        record_sink_up(SINK, up);
+        if up {
+            Ok(())
+        } else {
+            Err(SinkError::Retriable(
+                "nats: not connected to any server (reconnecting)".to_string(),
+            ))
+        }
+    }
+
+    async fn flush(&self) -> Result<(), SinkError> {
+        self.client
+            .flush()
+            .await
+            .map_err(|e| SinkError::Retriable(format!("nats: flush failed: {e}")))
+    }
+}
+
+/// Connects, retrying unreachable servers until `connect_timeout` has passed.
+async fn connect_with_retry(config: &NatsSinkConfig) -> Result<Client, NatsSinkError> {
+    let connect_error = |reason: String| NatsSinkError::Connect {
+        urls: config.url.clone(),
+        reason,
+    };
+    let addrs = config
+        .urls()
+        .iter()
+        .map(|u| u.parse::<ServerAddr>())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| connect_error(format!("invalid server URL: {e}")))?;
+    let deadline = Instant::now() + config.connect_timeout;
+    let mut delay = Duration::from_millis(250);
+    loop {
+        let options = connect_options(config).await.map_err(connect_error)?;
+        let error = match options.connect(addrs.clone()).await {
+            Ok(client) => return Ok(client),
+            Err(e) => e,
+        };
+        let retriable = matches!(
+            error.kind(),
+            ConnectErrorKind::Io | ConnectErrorKind::TimedOut | ConnectErrorKind::Dns
+        );
+        if !retriable {
+            return Err(connect_error(error.to_string()));
+        }
+        if Instant::now() + delay > deadline {
+            return Err(connect_error(format!(
+                "{error} (gave up after connect_timeout {})",
+                humantime::format_duration(config.connect_timeout)
+            )));
+        }
+        tracing::warn!(url = %config.url, error = %error, "nats server unreachable, retrying");
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// Client options from the config: authentication, TLS, timeouts, event logging.
+async fn connect_options(config: &NatsSinkConfig) -> Result<ConnectOptions, String> {
+    let mut options = ConnectOptions::new()
+        .name("voucher-cdc")
+        .connection_timeout(config.connect_timeout.min(Duration::from_secs(10)))
+        .max_reconnects(None::<usize>)
+        .event_callback(|event| async move {
+            match event {
+                ClientEvent::Connected => {
+                    record_sink_up(SINK, true);
+                    tracing::info!(sink = SINK, "connected to nats");
+                }
+                ClientEvent::Disconnected => {
+                    record_sink_up(SINK, false);
+                    tracing::warn!(sink = SINK, "disconnected from nats, reconnecting");
+                }
+                other => tracing::debug!(sink = SINK, event = %other, "nats client event"),
+            }
+        });
+    if let Some(path) = &config.credentials_file {
+        options = options.credentials_file(path).await.map_err(|e| {
+            format!(
+                "cannot read sink.nats.credentials_file `{}`: {e}",
+                path.display()
+            )
+        })?;
+    }
+    if let Some(path) = &config.nkey_seed_file {
+        let seed = tokio::fs::read_to_string(path).await.map_err(|e| {
+            format!(
+                "cannot read sink.nats.nkey_seed_file `{}`: {e}",
+                path.display()
+            )
+        })?;
+        options = options.nkey(seed.trim().to_string());
+    }
+    if let (Some(user), Some(password)) = (&config.user, &config.password) {
+        options = options.user_and_password(user.clone(), password.expose().to_string());
+    }
+    if let Some(token) = &config.token {
+        options = options.token(token.expose().to_string());
+    }
+    if let Some(ca) = &config.tls.ca_file {
+        options = options.add_root_certificates(ca.clone());
+    }
+    if let (Some(cert), Some(key)) = (&config.tls.cert_file, &config.tls.key_file) {
+        options = options.add_client_certificate(cert.clone(), key.clone());
+    }
+    Ok(options.require_tls(config.tls.required))
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+
+    use super::*;
+    use crate::event::EventType;
+    use crate::stream::{Resource, StreamKey};
+
+    fn event(tenant: u64, ty: EventType) -> Event {
+        Event {
+            id: "0123456789abcdef0123456789abcdef".to_string(),
+            stream: StreamKey::new(tenant, Resource::Vouchers),
+            ty,
+            op: None,
+            partition_key: format!("{tenant}:voucher:1"),
+            payload: Bytes::from_static(b"{}"),
+        }
+    }
+
+    #[test]
+    fn subjects_are_prefix_tenant_and_dotted_type() {
+        assert_eq!(
+            subject_for(
+                "voucher_cdc",
+                &event(42, EventType::Updated(Resource::Vouchers))
+            ),
+            "voucher_cdc.42.voucher.updated"
+        );
+        assert_eq!(
+            subject_for(
+                "acme.cdc",
+                &event(7, EventType::Deleted(Resource::Categories))
+            ),
+            "acme.cdc.7.category.deleted"
+        );
+        assert_eq!(
+            subject_for("voucher_cdc", &event(1, EventType::ReplayStarted)),
+            "voucher_cdc.1.replay.started"
+        );
+    }
+
+    #[test]
+    fn only_rejected_messages_are_fatal_and_transport_trouble_is_retriable() {
+        assert!(is_fatal(
+            PublishErrorKind::Other,
+            Some(ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM)
+        ));
+        assert!(is_fatal(PublishErrorKind::WrongLastSequence, None));
+        for kind in [
+            PublishErrorKind::TimedOut,
+            PublishErrorKind::BrokenPipe,
+            PublishErrorKind::StreamNotFound,
+        ] {
+            assert!(!is_fatal(kind, None), "{kind:?}");
+        }
+        for code in [
+            ErrorCode::STREAM_STORE_FAILED,
+            ErrorCode::STORAGE_RESOURCES_EXCEEDED,
+            ErrorCode::CLUSTER_NOT_AVAILABLE,
+            ErrorCode::INSUFFICIENT_RESOURCES,
+        ] {
+            assert!(!is_fatal(PublishErrorKind::Other, Some(code)));
+        }
+    }
+}

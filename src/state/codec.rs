@@ -1,0 +1,294 @@
+//! Compact binary encodings of state keys and per-record values.
+//!
+//! Per-record values are written hundreds of thousands of times, so they use a
+//! small hand-rolled format instead of serde_json (see docs/state.md):
+//!
+//! * key: `kind u8 | tenant u64 BE | resource tag u8 | id i64 BE with the sign bit flipped`
+//!   (18 bytes; flipping the sign bit makes byte order equal numeric order);
+//! * value: `flags u8 | hash [16] | updated_at i64 BE (only if flags bit 0) | varints`,
+//!   where the varints are `seen_epoch, generation` for a record and
+//!   `generation` for an intent or a tombstone.
+
+use crate::diff::ContentHash;
+use crate::stream::{Resource, StreamKey};
+
+use super::{Intent, RecordState, Tombstone};
+
+/// Kind byte of a committed record key.
+pub(crate) const KIND_RECORD: u8 = b'r';
+/// Kind byte of an intent key.
+pub(crate) const KIND_INTENT: u8 = b'i';
+/// Kind byte of a tombstone key.
+pub(crate) const KIND_TOMBSTONE: u8 = b't';
+
+/// Length of a per-record key.
+pub(crate) const RECORD_KEY_LEN: usize = 18;
+/// Length of a per-stream key prefix (kind, tenant, tag).
+pub(crate) const PREFIX_LEN: usize = 10;
+
+const FLAG_UPDATED_AT: u8 = 1;
+
+/// The 9-byte key of a stream in the `streams` tree.
+pub(crate) fn stream_key(key: StreamKey) -> [u8; 9] {
+    let mut out = [0u8; 9];
+    out[..8].copy_from_slice(&key.tenant.to_be_bytes());
+    out[8] = key.resource.tag();
+    out
+}
+
+/// Decodes a `streams` tree key; None when it is malformed.
+pub(crate) fn decode_stream_key(bytes: &[u8]) -> Option<StreamKey> {
+    let bytes: &[u8; 9] = bytes.try_into().ok()?;
+    let mut tenant = [0u8; 8];
+    tenant.copy_from_slice(&bytes[..8]);
+    let resource = Resource::ALL.into_iter().find(|r| r.tag() == bytes[8])?;
+    Some(StreamKey::new(u64::from_be_bytes(tenant), resource))
+}
+
+/// The prefix shared by every key of one kind in one stream.
+pub(crate) fn prefix(kind: u8, key: StreamKey) -> [u8; PREFIX_LEN] {
+    let mut out = [0u8; PREFIX_LEN];
+    out[0] = kind;
+    out[1..9].copy_from_slice(&key.tenant.to_be_bytes());
+    out[9] = key.resource.tag();
+    out
+}
+
+/// The key of one record id of one kind in one stream.
+pub(crate) fn record_key(kind: u8, key: StreamKey, id: i64) -> [u8; RECORD_KEY_LEN] {
+    let mut out = [0u8; RECORD_KEY_LEN];
+    out[..PREFIX_LEN].copy_from_slice(&prefix(kind, key));
+    out[PREFIX_LEN..].copy_from_slice(&((id as u64) ^ (1 << 63)).to_be_bytes());
+    out
+}
+
+/// The record id of a per-record key; None when the key is malformed.
+pub(crate) fn key_id(key: &[u8]) -> Option<i64> {
+    let tail: [u8; 8] = key.get(PREFIX_LEN..RECORD_KEY_LEN)?.try_into().ok()?;
+    if key.len() != RECORD_KEY_LEN {
+        return None;
+    }
+    Some((u64::from_be_bytes(tail) ^ (1 << 63)) as i64)
+}
+
+/// Appends the shared head: flags, hash, optional updated_at.
+fn put_head(out: &mut Vec<u8>, hash: ContentHash, updated_at: Option<i64>) {
+    out.push(if updated_at.is_some() {
+        FLAG_UPDATED_AT
+    } else {
+        0
+    });
+    out.extend_from_slice(&hash.0);
+    if let Some(t) = updated_at {
+        out.extend_from_slice(&t.to_be_bytes());
+    }
+}
+
+fn put_varint(out: &mut Vec<u8>, mut value: u64) {
+    while value >= 0x80 {
+        out.push((value as u8) | 0x80);
+        value >>= 7;
+    }
+    out.push(value as u8);
+}
+
+/// A cursor over an encoded value; every read fails cleanly on short input.
+struct Reader<'a> {
+    bytes: &'a [u8],
+}
+
+impl Reader<'_> {
+    fn take<const N: usize>(&mut self) -> Option<[u8; N]> {
+        let (head, rest) = self.bytes.split_first_chunk::<N>()?;
+        self.bytes = rest;
+        Some(*head)
+    }
+
+    fn head(&mut self) -> Option<(ContentHash, Option<i64>)> {
+        let [flags] = self.take::<1>()?;
+        if flags & !FLAG_UPDATED_AT != 0 {
+            return None;
+        }
+        let hash = ContentHash(self.take::<16>()?);
+        let updated_at = if flags & FLAG_UPDATED_AT != 0 {
+            Some(i64::from_be_bytes(self.take::<8>()?))
+        } else {
+            None
+        };
+        Some((hash, updated_at))
+    }
+
+    fn varint(&mut self) -> Option<u64> {
+        let mut value: u64 = 0;
+        for shift in (0..64).step_by(7) {
+            let [byte] = self.take::<1>()?;
+            value |= u64::from(byte & 0x7f).checked_shl(shift)?;
+            if byte & 0x80 == 0 {
+                return Some(value);
+            }
+        }
+        None
+    }
+
+    fn finish<T>(self, value: T) -> Option<T> {
+        self.bytes.is_empty().then_some(value)
+    }
+}
+
+/// Encodes a committed record.
+pub(crate) fn encode_record(state: &RecordState, out: &mut Vec<u8>) {
+    out.clear();
+    put_head(out, state.hash, state.updated_at);
+    put_varint(out, state.seen_epoch);
+    put_varint(out, u64::from(state.generation));
+}
+
+/// Decodes a committed record; None when the bytes are malformed.
+pub(crate) fn decode_record(bytes: &[u8]) -> Option<RecordState> {
+    let mut r = Reader { bytes };
+    let (hash, updated_at) = r.head()?;
+    let seen_epoch = r.varint()?;
+    let generation = u32::try_from(r.varint()?).ok()?;
+    r.finish(RecordState {
+        hash,
+        updated_at,
+        seen_epoch,
+        generation,
+    })
+}
+
+/// Encodes an intent.
+pub(crate) fn encode_intent(intent: &Intent, out: &mut Vec<u8>) {
+    out.clear();
+    put_head(out, intent.hash, intent.updated_at);
+    put_varint(out, u64::from(intent.generation));
+}
+
+/// Decodes an intent; None when the bytes are malformed.
+pub(crate) fn decode_intent(bytes: &[u8]) -> Option<Intent> {
+    let mut r = Reader { bytes };
+    let (hash, updated_at) = r.head()?;
+    let generation = u32::try_from(r.varint()?).ok()?;
+    r.finish(Intent {
+        hash,
+        updated_at,
+        generation,
+    })
+}
+
+/// Encodes a tombstone.
+pub(crate) fn encode_tombstone(tombstone: &Tombstone, out: &mut Vec<u8>) {
+    out.clear();
+    put_head(out, tombstone.last_hash, tombstone.updated_at);
+    put_varint(out, u64::from(tombstone.generation));
+}
+
+/// Decodes a tombstone; None when the bytes are malformed.
+pub(crate) fn decode_tombstone(bytes: &[u8]) -> Option<Tombstone> {
+    let mut r = Reader { bytes };
+    let (last_hash, updated_at) = r.head()?;
+    let generation = u32::try_from(r.varint()?).ok()?;
+    r.finish(Tombstone {
+        generation,
+        last_hash,
+        updated_at,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn hash(byte: u8) -> ContentHash {
+        ContentHash([byte; 16])
+    }
+
+    #[test]
+    fn record_keys_sort_in_numeric_id_order_including_negative_ids() {
+        let stream = StreamKey::new(7, Resource::Vouchers);
+        let ids = [i64::MIN, -5, -1, 0, 1, 42, i64::MAX];
+        let keys: Vec<_> = ids
+            .iter()
+            .map(|&id| record_key(KIND_RECORD, stream, id))
+            .collect();
+        let mut sorted = keys.clone();
+        sorted.sort();
+        assert_eq!(keys, sorted);
+        for (id, key) in ids.iter().zip(&keys) {
+            assert_eq!(key_id(key), Some(*id));
+            assert!(key.starts_with(&prefix(KIND_RECORD, stream)));
+        }
+    }
+
+    #[test]
+    fn stream_keys_round_trip_and_unknown_tags_are_rejected() {
+        for resource in Resource::ALL {
+            let key = StreamKey::new(u64::MAX - 3, resource);
+            assert_eq!(decode_stream_key(&stream_key(key)), Some(key));
+        }
+        let mut bad = stream_key(StreamKey::new(1, Resource::Vouchers));
+        bad[8] = b'x';
+        assert_eq!(decode_stream_key(&bad), None);
+        assert_eq!(decode_stream_key(&bad[..5]), None);
+    }
+
+    #[test]
+    fn a_typical_record_value_takes_27_bytes() {
+        let mut out = Vec::new();
+        encode_record(
+            &RecordState {
+                hash: hash(1),
+                updated_at: Some(1_700_000_000_000_000),
+                seen_epoch: 12,
+                generation: 0,
+            },
+            &mut out,
+        );
+        assert_eq!(out.len(), 27);
+    }
+
+    #[test]
+    fn truncated_or_padded_values_do_not_decode() {
+        let mut out = Vec::new();
+        encode_record(
+            &RecordState {
+                hash: hash(9),
+                updated_at: None,
+                seen_epoch: 300,
+                generation: 2,
+            },
+            &mut out,
+        );
+        for len in 0..out.len() {
+            assert_eq!(decode_record(&out[..len]), None, "prefix of {len} bytes");
+        }
+        let mut padded = out.clone();
+        padded.push(0);
+        assert_eq!(decode_record(&padded), None);
+        let mut bad_flags = out.clone();
+        bad_flags[0] = 0x80;
+        assert_eq!(decode_record(&bad_flags), None);
+    }
+
+    proptest! {
+        #[test]
+        fn every_value_round_trips(
+            h in any::<[u8; 16]>(),
+            updated_at in any::<Option<i64>>(),
+            seen_epoch in any::<u64>(),
+            generation in any::<u32>(),
+        ) {
+            let mut out = Vec::new();
+            let record = RecordState { hash: ContentHash(h), updated_at, seen_epoch, generation };
+            encode_record(&record, &mut out);
+            prop_assert_eq!(decode_record(&out), Some(record));
+            let intent = Intent { hash: ContentHash(h), updated_at, generation };
+            encode_intent(&intent, &mut out);
+            prop_assert_eq!(decode_intent(&out), Some(intent));
+            let tombstone = Tombstone { generation, last_hash: ContentHash(h), updated_at };
+            encode_tombstone(&tombstone, &mut out);
+            prop_assert_eq!(decode_tombstone(&out), Some(tombstone));
+        }
+    }
+}

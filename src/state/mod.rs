@@ -1,0 +1,217 @@
+//! Durable sync state: what the bridge knows about every stream and record.
+//!
+//! The sweep reads and writes state only through [`StateStore`], so the
+//! crash-safety rules of DESIGN.md ("State and the sweep") live in one place:
+//! intents are journalled before a publish, hashes are committed only after
+//! the sink acknowledged, and every multi-record change is one atomic batch.
+//! The production implementation is [`SledStore`]; docs/state.md describes
+//! its on-disk layout.
+
+mod codec;
+mod sled_store;
+
+use std::path::PathBuf;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use crate::diff::ContentHash;
+use crate::stream::StreamKey;
+
+pub use sled_store::{SledStore, LAYOUT_MARKER, LAYOUT_VERSION};
+
+/// A scheduled or running replay of one stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplayState {
+    /// Replay id carried by every event of the replay.
+    pub id: String,
+    /// `--since`: the watermark the replay restarts from (None = everything).
+    pub since: Option<DateTime<Utc>>,
+    /// When the replay was requested.
+    pub requested_at: DateTime<Utc>,
+    /// True until the replay sweep completed.
+    pub pending: bool,
+    /// Records emitted by the replay so far.
+    pub records: u64,
+}
+
+/// Per-stream state; `Default` means "never synced".
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct StreamState {
+    /// Server time of the first page of the last completed sweep.
+    pub watermark: Option<DateTime<Utc>>,
+    /// The current or last replay.
+    pub replay: Option<ReplayState>,
+    /// Epoch of the latest full sweep (records seen by it carry this epoch).
+    pub full_sweep_epoch: u64,
+    /// When the last sweep started.
+    pub last_sweep_started: Option<DateTime<Utc>>,
+    /// When the last sweep finished successfully.
+    pub last_sweep_finished: Option<DateTime<Utc>>,
+    /// When the last full sweep finished successfully.
+    pub last_full_sweep_finished: Option<DateTime<Utc>>,
+    /// The last error the stream hit, one line.
+    pub last_error: Option<String>,
+    /// When `last_error` happened.
+    pub last_error_at: Option<DateTime<Utc>>,
+    /// Why the stream is parked (401/403/404), None when it runs.
+    pub parked: Option<String>,
+    /// Records whose hash the store knows.
+    pub records_known: u64,
+}
+
+/// What the store knows about one committed record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordState {
+    /// Content hash of the last acknowledged version.
+    pub hash: ContentHash,
+    /// The record's `updated_at` in unix microseconds, if it had one.
+    pub updated_at: Option<i64>,
+    /// Epoch of the last full sweep that listed the record.
+    pub seen_epoch: u64,
+    /// How many deletes of this record id were seen before.
+    pub generation: u32,
+}
+
+/// A journalled publish: the record may have reached the sink, its hash is not committed yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Intent {
+    /// Content hash of the version being published.
+    pub hash: ContentHash,
+    /// The record's `updated_at` in unix microseconds, if any.
+    pub updated_at: Option<i64>,
+    /// Delete generation of the version being published.
+    pub generation: u32,
+}
+
+/// What remains of a deleted record: enough to give a re-created record a new event id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tombstone {
+    /// Generation the next version of this id must carry (deletes seen so far).
+    pub generation: u32,
+    /// Content hash of the last version before the delete.
+    pub last_hash: ContentHash,
+    /// `updated_at` of the last version, unix microseconds.
+    pub updated_at: Option<i64>,
+}
+
+/// Why the state store failed; every message is one line naming the path.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    /// Another process holds the store's lock.
+    #[error(
+        "state store {} is locked by another process (a voucher-cdc daemon probably runs on it; \
+         `status` and `replay` go through its admin API, or stop it, or point state.path elsewhere)",
+        path.display()
+    )]
+    Locked {
+        /// The store directory.
+        path: PathBuf,
+    },
+    /// The store was written by a layout this build cannot read.
+    #[error(
+        "state store {} was written by layout version {found}; this build reads version {supported} \
+         (upgrade voucher-cdc or point state.path elsewhere)",
+        path.display()
+    )]
+    UnsupportedVersion {
+        /// The store directory.
+        path: PathBuf,
+        /// Layout version found in the store.
+        found: u32,
+        /// Layout version this build reads and writes.
+        supported: u32,
+    },
+    /// The store's files or values are damaged.
+    #[error(
+        "state store {} is corrupt: {detail} (restore it from a backup, or move it away to resync \
+         every stream as a snapshot)",
+        path.display()
+    )]
+    Corrupt {
+        /// The store directory.
+        path: PathBuf,
+        /// What was found damaged.
+        detail: String,
+    },
+    /// The operating system refused access to the store's files.
+    #[error(
+        "state store {}: permission denied: {source} (run voucher-cdc as a user that may write \
+         there, or point state.path elsewhere)",
+        path.display()
+    )]
+    PermissionDenied {
+        /// The store directory.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// Any other I/O failure (disk full, path is a file, ...).
+    #[error("state store {}: i/o error: {source}", path.display())]
+    Io {
+        /// The store directory.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// The store backend reported an internal error or an unsupported use.
+    #[error("state store {}: {detail}", path.display())]
+    Backend {
+        /// The store directory.
+        path: PathBuf,
+        /// The backend's message.
+        detail: String,
+    },
+}
+
+/// Durable state of every stream and record (one writer per stream at a time).
+pub trait StateStore: Send + Sync + 'static {
+    /// The stream's state; `StreamState::default()` when the stream was never synced.
+    fn load_stream(&self, key: StreamKey) -> Result<StreamState, StateError>;
+    /// Replaces the stream's state.
+    fn save_stream(&self, key: StreamKey, state: &StreamState) -> Result<(), StateError>;
+    /// Every stream with saved state, in key order.
+    fn streams(&self) -> Result<Vec<(StreamKey, StreamState)>, StateError>;
+    /// The committed state of each id, in the order of `ids`.
+    fn get_records(
+        &self,
+        key: StreamKey,
+        ids: &[i64],
+    ) -> Result<Vec<Option<RecordState>>, StateError>;
+    /// The tombstone of each id, in the order of `ids`.
+    fn get_tombstones(
+        &self,
+        key: StreamKey,
+        ids: &[i64],
+    ) -> Result<Vec<Option<Tombstone>>, StateError>;
+    /// Journals intents before a publish, as one atomic batch.
+    fn write_intents(&self, key: StreamKey, intents: &[(i64, Intent)]) -> Result<(), StateError>;
+    /// Intents not yet cleared by a commit or delete, in id order.
+    fn pending_intents(&self, key: StreamKey) -> Result<Vec<(i64, Intent)>, StateError>;
+    /// One atomic batch: upsert `commits`, remove their intents and tombstones, and set
+    /// `seen_epoch = epoch` on the `seen` ids that exist (unchanged records seen by a full sweep).
+    fn commit_page(
+        &self,
+        key: StreamKey,
+        commits: &[(i64, RecordState)],
+        seen: &[i64],
+        epoch: u64,
+    ) -> Result<(), StateError>;
+    /// Records with `seen_epoch < epoch`, in id order.
+    fn unseen_records(
+        &self,
+        key: StreamKey,
+        epoch: u64,
+    ) -> Result<Vec<(i64, RecordState)>, StateError>;
+    /// Number of committed records of the stream.
+    fn record_count(&self, key: StreamKey) -> Result<u64, StateError>;
+    /// One atomic batch: remove the records and any intents for these ids, write the tombstones.
+    fn commit_deletes(
+        &self,
+        key: StreamKey,
+        deletes: &[(i64, Tombstone)],
+    ) -> Result<(), StateError>;
+    /// Makes every write so far durable on disk.
+    fn flush(&self) -> Result<(), StateError>;
+}

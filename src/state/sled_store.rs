@@ -1,0 +1,989 @@
+//! The sled implementation of [`StateStore`].
+//!
+//! Three trees: `meta` (layout version), `streams` (one small JSON document
+//! per stream) and `catalog`, which holds records, intents and tombstones of
+//! every stream under kind-prefixed binary keys. Keeping the three per-record
+//! kinds in one tree lets every multi-kind change (commit a page, commit
+//! deletes) be a single `apply_batch`, which sled applies atomically, without
+//! the cost of cross-tree transactions. See docs/state.md.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use tempfile::TempDir;
+
+use super::codec::{self, KIND_INTENT, KIND_RECORD, KIND_TOMBSTONE, RECORD_KEY_LEN};
+use super::{Intent, RecordState, StateError, StateStore, StreamState, Tombstone};
+use crate::stream::StreamKey;
+
+/// The on-disk layout this build reads and writes.
+pub const LAYOUT_VERSION: u32 = 1;
+
+/// Meta key holding the layout version (u32 big-endian).
+const META_LAYOUT_VERSION: &[u8] = b"layout_version";
+/// Meta key holding the name and version of the build that created the store.
+const META_CREATED_BY: &[u8] = b"created_by";
+
+/// File beside sled's own files naming the layout, readable before sled opens.
+pub const LAYOUT_MARKER: &str = "voucher-cdc-layout";
+
+/// Sled's page cache; bounds memory whatever the catalog size.
+const CACHE_CAPACITY: u64 = 64 * 1024 * 1024;
+/// How often sled flushes in the background (a crash loses at most this much
+/// committed state, which the invariant turns into duplicates, never loss).
+const FLUSH_EVERY_MS: u64 = 500;
+
+/// State store backed by a sled database directory.
+pub struct SledStore {
+    db: sled::Db,
+    meta: sled::Tree,
+    streams: sled::Tree,
+    catalog: sled::Tree,
+    path: PathBuf,
+    /// Keeps a temporary store's directory alive; dropped after the db.
+    _temp_dir: Option<TempDir>,
+}
+
+impl std::fmt::Debug for SledStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SledStore")
+            .field("path", &self.path)
+            .finish()
+    }
+}
+
+impl SledStore {
+    /// Opens (or creates) the store in directory `path`.
+    pub fn open(path: &Path) -> Result<SledStore, StateError> {
+        Self::open_with(path, None)
+    }
+
+    /// Opens a fresh store in a temporary directory removed on drop (tests, `demo`).
+    pub fn open_temporary() -> Result<SledStore, StateError> {
+        let dir = tempfile::Builder::new()
+            .prefix("voucher-cdc-state-")
+            .tempdir()
+            .map_err(|source| StateError::Io {
+                path: std::env::temp_dir(),
+                source,
+            })?;
+        let path = dir.path().join("state");
+        Self::open_with(&path, Some(dir))
+    }
+
+    fn open_with(path: &Path, temp_dir: Option<TempDir>) -> Result<SledStore, StateError> {
+        if path.is_file() {
+            return Err(StateError::Io {
+                path: path.to_path_buf(),
+                source: io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    "the path is a file, expected a directory",
+                ),
+            });
+        }
+        let marker = read_marker(path)?;
+        let db = sled::Config::new()
+            .path(path)
+            .cache_capacity(CACHE_CAPACITY)
+            .flush_every_ms(Some(FLUSH_EVERY_MS))
+            .open()
+            .map_err(|e| map_sled_error(path, e))?;
+        let tree = |name: &str| db.open_tree(name).map_err(|e| map_sled_error(path, e));
+        let store = SledStore {
+            meta: tree("meta")?,
+            streams: tree("streams")?,
+            catalog: tree("catalog")?,
+            db,
+            path: path.to_path_buf(),
+            _temp_dir: temp_dir,
+        };
+        store.check_layout(marker.is_some())?;
+        if marker.is_none() {
+            write_marker(path)?;
+        }
+        Ok(store)
+    }
+
+    /// The store directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Bytes the store occupies on disk, as sled accounts them.
+    pub fn size_on_disk(&self) -> Result<u64, StateError> {
+        self.db.size_on_disk().map_err(|e| self.err(e))
+    }
+
+    /// Checks the layout version in `meta`, or initialises a new store.
+    ///
+    /// sled treats a damaged log as a torn write and may open it as empty; the
+    /// marker file tells a store that lost its contents from a new one.
+    fn check_layout(&self, had_marker: bool) -> Result<(), StateError> {
+        match self
+            .meta
+            .get(META_LAYOUT_VERSION)
+            .map_err(|e| self.err(e))?
+        {
+            Some(bytes) => {
+                let found = <[u8; 4]>::try_from(bytes.as_ref())
+                    .map(u32::from_be_bytes)
+                    .map_err(|_| self.corrupt("the layout version is not a 4-byte integer"))?;
+                if found != LAYOUT_VERSION {
+                    return Err(StateError::UnsupportedVersion {
+                        path: self.path.clone(),
+                        found,
+                        supported: LAYOUT_VERSION,
+                    });
+                }
+                Ok(())
+            }
+            None => {
+                if had_marker {
+                    return Err(self.corrupt(format!(
+                        "the database lost its contents ({LAYOUT_MARKER} is present but the \
+                         database holds no layout version)"
+                    )));
+                }
+                let has_data = !self.streams.is_empty() || !self.catalog.is_empty();
+                if has_data {
+                    return Err(self.corrupt("it holds data but no layout version"));
+                }
+                self.meta
+                    .insert(META_LAYOUT_VERSION, &LAYOUT_VERSION.to_be_bytes())
+                    .map_err(|e| self.err(e))?;
+                let created_by = concat!("voucher-cdc ", env!("CARGO_PKG_VERSION"));
+                self.meta
+                    .insert(META_CREATED_BY, created_by)
+                    .map_err(|e| self.err(e))?;
+                self.db.flush().map_err(|e| self.err(e))?;
+                Ok(())
+            }
+        }
+    }
+
+    fn err(&self, e: sled::Error) -> StateError {
+        map_sled_error(&self.path, e)
+    }
+
+    fn corrupt(&self, detail: impl Into<String>) -> StateError {
+        StateError::Corrupt {
+            path: self.path.clone(),
+            detail: detail.into(),
+        }
+    }
+
+    fn corrupt_value(&self, what: &str, key: &[u8]) -> StateError {
+        self.corrupt(format!(
+            "undecodable {what} value under key {}",
+            hex::encode(key)
+        ))
+    }
+
+    fn apply(&self, batch: sled::Batch) -> Result<(), StateError> {
+        self.catalog.apply_batch(batch).map_err(|e| self.err(e))
+    }
+
+    /// Looks up one key per id and decodes each value present.
+    fn get_many<T>(
+        &self,
+        kind: u8,
+        key: StreamKey,
+        ids: &[i64],
+        what: &str,
+        decode: fn(&[u8]) -> Option<T>,
+    ) -> Result<Vec<Option<T>>, StateError> {
+        ids.iter()
+            .map(|&id| {
+                let k = codec::record_key(kind, key, id);
+                match self.catalog.get(k).map_err(|e| self.err(e))? {
+                    None => Ok(None),
+                    Some(v) => decode(&v)
+                        .map(Some)
+                        .ok_or_else(|| self.corrupt_value(what, &k)),
+                }
+            })
+            .collect()
+    }
+
+    /// Decodes every entry of one kind in one stream, keeping those `keep` accepts.
+    fn scan<T>(
+        &self,
+        kind: u8,
+        key: StreamKey,
+        what: &str,
+        decode: fn(&[u8]) -> Option<T>,
+        keep: impl Fn(&T) -> bool,
+    ) -> Result<Vec<(i64, T)>, StateError> {
+        let mut out = Vec::new();
+        for entry in self.catalog.scan_prefix(codec::prefix(kind, key)) {
+            let (k, v) = entry.map_err(|e| self.err(e))?;
+            let id = codec::key_id(&k).ok_or_else(|| self.corrupt_value(what, &k))?;
+            let value = decode(&v).ok_or_else(|| self.corrupt_value(what, &k))?;
+            if keep(&value) {
+                out.push((id, value));
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl StateStore for SledStore {
+    fn load_stream(&self, key: StreamKey) -> Result<StreamState, StateError> {
+        match self
+            .streams
+            .get(codec::stream_key(key))
+            .map_err(|e| self.err(e))?
+        {
+            None => Ok(StreamState::default()),
+            Some(bytes) => serde_json::from_slice(&bytes)
+                .map_err(|e| self.corrupt(format!("undecodable state of stream {key}: {e}"))),
+        }
+    }
+
+    fn save_stream(&self, key: StreamKey, state: &StreamState) -> Result<(), StateError> {
+        let bytes = serde_json::to_vec(state).map_err(|e| StateError::Backend {
+            path: self.path.clone(),
+            detail: format!("cannot encode state of stream {key}: {e}"),
+        })?;
+        self.streams
+            .insert(codec::stream_key(key), bytes)
+            .map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    fn streams(&self) -> Result<Vec<(StreamKey, StreamState)>, StateError> {
+        let mut out = Vec::new();
+        for entry in self.streams.iter() {
+            let (k, v) = entry.map_err(|e| self.err(e))?;
+            let key = codec::decode_stream_key(&k)
+                .ok_or_else(|| self.corrupt(format!("malformed stream key {}", hex::encode(&k))))?;
+            let state = serde_json::from_slice(&v)
+                .map_err(|e| self.corrupt(format!("undecodable state of stream {key}: {e}")))?;
+            out.push((key, state));
+        }
+        Ok(out)
+    }
+
+    fn get_records(
+        &self,
+        key: StreamKey,
+        ids: &[i64],
+    ) -> Result<Vec<Option<RecordState>>, StateError> {
+        self.get_many(KIND_RECORD, key, ids, "record", codec::decode_record)
+    }
+
+    fn get_tombstones(
+        &self,
+        key: StreamKey,
+        ids: &[i64],
+    ) -> Result<Vec<Option<Tombstone>>, StateError> {
+        self.get_many(
+            KIND_TOMBSTONE,
+            key,
+            ids,
+            "tombstone",
+            codec::decode_tombstone,
+        )
+    }
+
+    fn write_intents(&self, key: StreamKey, intents: &[(i64, Intent)]) -> Result<(), StateError> {
+        if intents.is_empty() {
+            return Ok(());
+        }
+        let mut batch = sled::Batch::default();
+        let mut value = Vec::with_capacity(32);
+        for (id, intent) in intents {
+            codec::encode_intent(intent, &mut value);
+            batch.insert(&codec::record_key(KIND_INTENT, key, *id)[..], &value[..]);
+        }
+        self.apply(batch)
+    }
+
+    fn pending_intents(&self, key: StreamKey) -> Result<Vec<(i64, Intent)>, StateError> {
+        self.scan(KIND_INTENT, key, "intent", codec::decode_intent, |_| true)
+    }
+
+    fn commit_page(
+        &self,
+        key: StreamKey,
+        commits: &[(i64, RecordState)],
+        seen: &[i64],
+        epoch: u64,
+    ) -> Result<(), StateError> {
+        let mut batch = sled::Batch::default();
+        let mut value = Vec::with_capacity(32);
+        for (id, record) in commits {
+            codec::encode_record(record, &mut value);
+            batch.insert(&codec::record_key(KIND_RECORD, key, *id)[..], &value[..]);
+            self.remove_if_present(&mut batch, codec::record_key(KIND_INTENT, key, *id))?;
+            self.remove_if_present(&mut batch, codec::record_key(KIND_TOMBSTONE, key, *id))?;
+        }
+        let committed = |id: &i64| commits.iter().any(|(c, _)| c == id);
+        for id in seen.iter().filter(|id| !committed(id)) {
+            let k = codec::record_key(KIND_RECORD, key, *id);
+            let Some(bytes) = self.catalog.get(k).map_err(|e| self.err(e))? else {
+                continue;
+            };
+            let mut record =
+                codec::decode_record(&bytes).ok_or_else(|| self.corrupt_value("record", &k))?;
+            if record.seen_epoch == epoch {
+                continue;
+            }
+            record.seen_epoch = epoch;
+            codec::encode_record(&record, &mut value);
+            batch.insert(&k[..], &value[..]);
+        }
+        self.apply(batch)
+    }
+
+    fn unseen_records(
+        &self,
+        key: StreamKey,
+        epoch: u64,
+    ) -> Result<Vec<(i64, RecordState)>, StateError> {
+        self.scan(KIND_RECORD, key, "record", codec::decode_record, |r| {
+            r.seen_epoch < epoch
+        })
+    }
+
+    fn record_count(&self, key: StreamKey) -> Result<u64, StateError> {
+        let mut count = 0u64;
+        for entry in self.catalog.scan_prefix(codec::prefix(KIND_RECORD, key)) {
+            entry.map_err(|e| self.err(e))?;
+            count += 1;
+        }
+        Ok(count)
+    }
+
+    fn commit_deletes(
+        &self,
+        key: StreamKey,
+        deletes: &[(i64, Tombstone)],
+    ) -> Result<(), StateError> {
+        if deletes.is_empty() {
+            return Ok(());
+        }
+        let mut batch = sled::Batch::default();
+        let mut value = Vec::with_capacity(32);
+        for (id, tombstone) in deletes {
+            batch.remove(&codec::record_key(KIND_RECORD, key, *id)[..]);
+            self.remove_if_present(&mut batch, codec::record_key(KIND_INTENT, key, *id))?;
+            codec::encode_tombstone(tombstone, &mut value);
+            batch.insert(&codec::record_key(KIND_TOMBSTONE, key, *id)[..], &value[..]);
+        }
+        self.apply(batch)
+    }
+
+    fn flush(&self) -> Result<(), StateError> {
+        self.db.flush().map_err(|e| self.err(e))?;
+        Ok(())
+    }
+}
+
+impl SledStore {
+    /// Adds a removal to `batch` only when the key exists: removals of absent
+    /// keys would still cost log space in sled.
+    fn remove_if_present(
+        &self,
+        batch: &mut sled::Batch,
+        k: [u8; RECORD_KEY_LEN],
+    ) -> Result<(), StateError> {
+        if self.catalog.contains_key(k).map_err(|e| self.err(e))? {
+            batch.remove(&k[..]);
+        }
+        Ok(())
+    }
+}
+
+/// Reads the layout marker: None when absent, an error when unknown or unreadable.
+fn read_marker(path: &Path) -> Result<Option<u32>, StateError> {
+    let text = match std::fs::read_to_string(path.join(LAYOUT_MARKER)) {
+        Ok(text) => text,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.kind() == io::ErrorKind::NotADirectory => {
+            return Err(StateError::Io {
+                path: path.to_path_buf(),
+                source: io::Error::new(
+                    e.kind(),
+                    "a path component is a file, expected a directory",
+                ),
+            })
+        }
+        Err(e) => return Err(map_io_error(path.to_path_buf(), e)),
+    };
+    let found = text
+        .trim()
+        .strip_prefix("layout_version = ")
+        .and_then(|v| v.parse::<u32>().ok())
+        .ok_or_else(|| StateError::Corrupt {
+            path: path.to_path_buf(),
+            detail: format!("{LAYOUT_MARKER} does not hold `layout_version = N`"),
+        })?;
+    if found != LAYOUT_VERSION {
+        return Err(StateError::UnsupportedVersion {
+            path: path.to_path_buf(),
+            found,
+            supported: LAYOUT_VERSION,
+        });
+    }
+    Ok(Some(found))
+}
+
+/// Writes the layout marker durably.
+fn write_marker(path: &Path) -> Result<(), StateError> {
+    use std::io::Write;
+    let write = || -> io::Result<()> {
+        let tmp = path.join(format!("{LAYOUT_MARKER}.tmp"));
+        let mut file = std::fs::File::create(&tmp)?;
+        file.write_all(format!("layout_version = {LAYOUT_VERSION}\n").as_bytes())?;
+        file.sync_all()?;
+        std::fs::rename(&tmp, path.join(LAYOUT_MARKER))?;
+        std::fs::File::open(path)?.sync_all()
+    };
+    write().map_err(|e| map_io_error(path.to_path_buf(), e))
+}
+
+/// Maps a sled error to one clear line naming the path and what to do.
+pub(crate) fn map_sled_error(path: &Path, e: sled::Error) -> StateError {
+    let path = path.to_path_buf();
+    match e {
+        sled::Error::Io(source) => map_io_error(path, source),
+        sled::Error::Corruption { at, .. } => StateError::Corrupt {
+            path,
+            detail: match at {
+                Some(at) => format!("damaged data at {at:?}"),
+                None => "damaged data".to_string(),
+            },
+        },
+        sled::Error::Unsupported(detail) => StateError::Backend {
+            path,
+            detail: format!("unsupported use of the store: {detail}"),
+        },
+        sled::Error::ReportableBug(detail) => StateError::Backend {
+            path,
+            detail: format!("internal storage error: {detail}"),
+        },
+        sled::Error::CollectionNotFound(name) => StateError::Corrupt {
+            path,
+            detail: format!("tree {:?} is missing", String::from_utf8_lossy(&name)),
+        },
+    }
+}
+
+/// Maps an I/O error seen while opening or using the store.
+fn map_io_error(path: PathBuf, source: io::Error) -> StateError {
+    let message = source.to_string();
+    if source.kind() == io::ErrorKind::WouldBlock || message.contains("could not acquire lock") {
+        return StateError::Locked { path };
+    }
+    match source.kind() {
+        io::ErrorKind::PermissionDenied => StateError::PermissionDenied { path, source },
+        io::ErrorKind::UnexpectedEof | io::ErrorKind::InvalidData => StateError::Corrupt {
+            path,
+            detail: message,
+        },
+        _ => StateError::Io { path, source },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::diff::ContentHash;
+    use crate::state::ReplayState;
+    use crate::stream::Resource;
+    use chrono::TimeZone;
+
+    const VOUCHERS: StreamKey = StreamKey {
+        tenant: 42,
+        resource: Resource::Vouchers,
+    };
+    const CATEGORIES: StreamKey = StreamKey {
+        tenant: 42,
+        resource: Resource::Categories,
+    };
+    const OTHER_TENANT: StreamKey = StreamKey {
+        tenant: 7,
+        resource: Resource::Vouchers,
+    };
+
+    fn h(byte: u8) -> ContentHash {
+        ContentHash([byte; 16])
+    }
+
+    fn record(byte: u8, seen_epoch: u64) -> RecordState {
+        RecordState {
+            hash: h(byte),
+            updated_at: Some(1_700_000_000_000_000 + i64::from(byte)),
+            seen_epoch,
+            generation: 0,
+        }
+    }
+
+    fn intent(byte: u8) -> Intent {
+        Intent {
+            hash: h(byte),
+            updated_at: None,
+            generation: 1,
+        }
+    }
+
+    fn tombstone(byte: u8, generation: u32) -> Tombstone {
+        Tombstone {
+            generation,
+            last_hash: h(byte),
+            updated_at: Some(5),
+        }
+    }
+
+    fn open(dir: &tempfile::TempDir) -> SledStore {
+        SledStore::open(&dir.path().join("state")).unwrap()
+    }
+
+    #[test]
+    fn a_new_store_knows_no_stream_and_no_record() {
+        let store = SledStore::open_temporary().unwrap();
+        assert_eq!(store.load_stream(VOUCHERS).unwrap(), StreamState::default());
+        assert!(store.streams().unwrap().is_empty());
+        assert_eq!(
+            store.get_records(VOUCHERS, &[1, 2]).unwrap(),
+            vec![None, None]
+        );
+        assert_eq!(store.get_tombstones(VOUCHERS, &[1]).unwrap(), vec![None]);
+        assert!(store.pending_intents(VOUCHERS).unwrap().is_empty());
+        assert!(store.unseen_records(VOUCHERS, 5).unwrap().is_empty());
+        assert_eq!(store.record_count(VOUCHERS).unwrap(), 0);
+    }
+
+    #[test]
+    fn stream_state_round_trips_and_streams_lists_every_saved_stream_in_key_order() {
+        let store = SledStore::open_temporary().unwrap();
+        let at = chrono::Utc.with_ymd_and_hms(2024, 5, 1, 10, 0, 0).unwrap();
+        let state = StreamState {
+            watermark: Some(at),
+            replay: Some(ReplayState {
+                id: "r1".into(),
+                since: None,
+                requested_at: at,
+                pending: true,
+                records: 3,
+            }),
+            full_sweep_epoch: 4,
+            last_error: Some("upstream 503".into()),
+            parked: Some("403 forbidden".into()),
+            records_known: 10,
+            ..StreamState::default()
+        };
+        store.save_stream(VOUCHERS, &state).unwrap();
+        store
+            .save_stream(OTHER_TENANT, &StreamState::default())
+            .unwrap();
+        store
+            .save_stream(CATEGORIES, &StreamState::default())
+            .unwrap();
+        assert_eq!(store.load_stream(VOUCHERS).unwrap(), state);
+        let keys: Vec<StreamKey> = store
+            .streams()
+            .unwrap()
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect();
+        assert_eq!(keys, vec![OTHER_TENANT, CATEGORIES, VOUCHERS]);
+    }
+
+    #[test]
+    fn commit_page_upserts_records_and_clears_their_intents_and_tombstones() {
+        let store = SledStore::open_temporary().unwrap();
+        store
+            .write_intents(VOUCHERS, &[(1, intent(1)), (2, intent(2)), (3, intent(3))])
+            .unwrap();
+        store
+            .commit_deletes(VOUCHERS, &[(2, tombstone(9, 1))])
+            .unwrap();
+        // The delete cleared the intent of record 2.
+        assert_eq!(
+            store.pending_intents(VOUCHERS).unwrap(),
+            vec![(1, intent(1)), (3, intent(3))]
+        );
+        store
+            .commit_page(VOUCHERS, &[(1, record(1, 0)), (2, record(2, 0))], &[], 0)
+            .unwrap();
+        assert_eq!(
+            store.get_records(VOUCHERS, &[2, 3, 1]).unwrap(),
+            vec![Some(record(2, 0)), None, Some(record(1, 0))]
+        );
+        assert_eq!(
+            store.pending_intents(VOUCHERS).unwrap(),
+            vec![(3, intent(3))]
+        );
+        assert_eq!(store.get_tombstones(VOUCHERS, &[2]).unwrap(), vec![None]);
+        // Upsert replaces.
+        store
+            .commit_page(VOUCHERS, &[(1, record(7, 0))], &[], 0)
+            .unwrap();
+        assert_eq!(
+            store.get_records(VOUCHERS, &[1]).unwrap(),
+            vec![Some(record(7, 0))]
+        );
+        assert_eq!(store.record_count(VOUCHERS).unwrap(), 2);
+    }
+
+    #[test]
+    fn seen_ids_get_the_epoch_only_when_they_exist_and_commits_win_over_seen() {
+        let store = SledStore::open_temporary().unwrap();
+        store
+            .commit_page(
+                VOUCHERS,
+                &[(1, record(1, 1)), (2, record(2, 1)), (3, record(3, 1))],
+                &[],
+                1,
+            )
+            .unwrap();
+        store
+            .commit_page(VOUCHERS, &[(3, record(33, 2))], &[1, 3, 99], 2)
+            .unwrap();
+        assert_eq!(
+            store.get_records(VOUCHERS, &[1, 2, 3, 99]).unwrap(),
+            vec![
+                Some(record(1, 2)),
+                Some(record(2, 1)),
+                Some(record(33, 2)),
+                None
+            ]
+        );
+        assert_eq!(
+            store.unseen_records(VOUCHERS, 2).unwrap(),
+            vec![(2, record(2, 1))]
+        );
+        assert!(store.unseen_records(VOUCHERS, 1).unwrap().is_empty());
+        assert_eq!(store.record_count(VOUCHERS).unwrap(), 3);
+    }
+
+    #[test]
+    fn commit_deletes_removes_records_and_intents_and_writes_tombstones() {
+        let store = SledStore::open_temporary().unwrap();
+        store
+            .commit_page(VOUCHERS, &[(1, record(1, 0)), (-2, record(2, 0))], &[], 0)
+            .unwrap();
+        store.write_intents(VOUCHERS, &[(1, intent(5))]).unwrap();
+        store
+            .commit_deletes(VOUCHERS, &[(1, tombstone(1, 1)), (-2, tombstone(2, 3))])
+            .unwrap();
+        assert_eq!(
+            store.get_records(VOUCHERS, &[1, -2]).unwrap(),
+            vec![None, None]
+        );
+        assert!(store.pending_intents(VOUCHERS).unwrap().is_empty());
+        assert_eq!(
+            store.get_tombstones(VOUCHERS, &[-2, 1, 3]).unwrap(),
+            vec![Some(tombstone(2, 3)), Some(tombstone(1, 1)), None]
+        );
+        assert_eq!(store.record_count(VOUCHERS).unwrap(), 0);
+        // Re-creating the record clears its tombstone.
+        store
+            .commit_page(VOUCHERS, &[(1, record(1, 0))], &[], 0)
+            .unwrap();
+        assert_eq!(store.get_tombstones(VOUCHERS, &[1]).unwrap(), vec![None]);
+    }
+
+    #[test]
+    fn streams_never_see_each_others_records() {
+        let store = SledStore::open_temporary().unwrap();
+        store
+            .commit_page(VOUCHERS, &[(1, record(1, 0))], &[], 0)
+            .unwrap();
+        store.write_intents(CATEGORIES, &[(1, intent(2))]).unwrap();
+        store
+            .commit_deletes(OTHER_TENANT, &[(1, tombstone(3, 1))])
+            .unwrap();
+        assert_eq!(store.get_records(CATEGORIES, &[1]).unwrap(), vec![None]);
+        assert_eq!(store.get_records(OTHER_TENANT, &[1]).unwrap(), vec![None]);
+        assert!(store.pending_intents(VOUCHERS).unwrap().is_empty());
+        assert_eq!(store.get_tombstones(VOUCHERS, &[1]).unwrap(), vec![None]);
+        assert_eq!(store.record_count(VOUCHERS).unwrap(), 1);
+        assert_eq!(store.record_count(CATEGORIES).unwrap(), 0);
+        assert_eq!(store.unseen_records(VOUCHERS, 1).unwrap().len(), 1);
+        assert!(store.unseen_records(OTHER_TENANT, 1).unwrap().is_empty());
+    }
+
+    #[test]
+    fn listings_come_back_in_numeric_id_order() {
+        let store = SledStore::open_temporary().unwrap();
+        let ids = [300, -5, 0, 2, i64::MIN, i64::MAX, 17];
+        let commits: Vec<_> = ids.iter().map(|&id| (id, record(1, 0))).collect();
+        store.commit_page(VOUCHERS, &commits, &[], 0).unwrap();
+        let intents: Vec<_> = ids.iter().map(|&id| (id, intent(1))).collect();
+        store.write_intents(VOUCHERS, &intents).unwrap();
+        let mut sorted = ids.to_vec();
+        sorted.sort();
+        let listed: Vec<i64> = store
+            .unseen_records(VOUCHERS, 1)
+            .unwrap()
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
+        assert_eq!(listed, sorted);
+        let pending: Vec<i64> = store
+            .pending_intents(VOUCHERS)
+            .unwrap()
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
+        assert_eq!(pending, sorted);
+    }
+
+    #[test]
+    fn everything_written_survives_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StreamState {
+            full_sweep_epoch: 3,
+            ..StreamState::default()
+        };
+        {
+            let store = open(&dir);
+            store.save_stream(VOUCHERS, &state).unwrap();
+            store
+                .commit_page(VOUCHERS, &[(1, record(1, 3))], &[], 3)
+                .unwrap();
+            store.write_intents(VOUCHERS, &[(2, intent(2))]).unwrap();
+            store
+                .commit_deletes(VOUCHERS, &[(3, tombstone(3, 1))])
+                .unwrap();
+            store.flush().unwrap();
+        }
+        let store = open(&dir);
+        assert_eq!(store.load_stream(VOUCHERS).unwrap(), state);
+        assert_eq!(
+            store.get_records(VOUCHERS, &[1]).unwrap(),
+            vec![Some(record(1, 3))]
+        );
+        assert_eq!(
+            store.pending_intents(VOUCHERS).unwrap(),
+            vec![(2, intent(2))]
+        );
+        assert_eq!(
+            store.get_tombstones(VOUCHERS, &[3]).unwrap(),
+            vec![Some(tombstone(3, 1))]
+        );
+    }
+
+    /// Environment variable that turns `child_process_commits_pages_until_killed` on.
+    const CHILD_STORE_ENV: &str = "VOUCHER_CDC_TEST_CHILD_STORE";
+    const CHILD_PAGE: i64 = 200;
+
+    /// Helper process for the two tests below: commits whole pages of
+    /// `CHILD_PAGE` records, each page with its own hash, until killed.
+    #[test]
+    #[ignore = "helper process, started by the crash and lock tests"]
+    fn child_process_commits_pages_until_killed() {
+        let Ok(path) = std::env::var(CHILD_STORE_ENV) else {
+            return;
+        };
+        let store = SledStore::open(Path::new(&path)).unwrap();
+        let ids: Vec<i64> = (0..CHILD_PAGE).collect();
+        for round in 0u64.. {
+            let commits: Vec<_> = ids
+                .iter()
+                .map(|&id| (id, record((round % 251) as u8, round)))
+                .collect();
+            store.commit_page(VOUCHERS, &commits, &[], round).unwrap();
+            if round == 10 {
+                std::fs::write(Path::new(&path).join("child-ready"), b"").unwrap();
+            }
+        }
+    }
+
+    fn spawn_child_writer(path: &Path) -> std::process::Child {
+        let child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "state::sled_store::tests::child_process_commits_pages_until_killed",
+                "--ignored",
+                "--test-threads=1",
+            ])
+            .env(CHILD_STORE_ENV, path)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !path.join("child-ready").exists() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "child writer never got ready"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        child
+    }
+
+    #[test]
+    fn a_store_held_by_another_process_is_reported_as_locked_and_a_kill_loses_no_half_page() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state");
+        let mut child = spawn_child_writer(&path);
+        // Let the child write through a few background flushes.
+        std::thread::sleep(std::time::Duration::from_millis(1200));
+        let err = SledStore::open(&path).unwrap_err();
+        assert!(matches!(err, StateError::Locked { .. }), "{err:?}");
+        child.kill().unwrap();
+        child.wait().unwrap();
+
+        let store = SledStore::open(&path).unwrap();
+        let ids: Vec<i64> = (0..CHILD_PAGE).collect();
+        let records = store.get_records(VOUCHERS, &ids).unwrap();
+        let epochs: std::collections::BTreeSet<u64> = records
+            .iter()
+            .map(|r| r.expect("every record of page 0 was flushed").seen_epoch)
+            .collect();
+        assert_eq!(
+            epochs.len(),
+            1,
+            "records from different pages after a kill: {epochs:?}"
+        );
+    }
+
+    #[test]
+    fn a_store_written_by_another_layout_version_refuses_to_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state");
+        {
+            let store = SledStore::open(&path).unwrap();
+            store
+                .meta
+                .insert(META_LAYOUT_VERSION, &7u32.to_be_bytes())
+                .unwrap();
+            store.flush().unwrap();
+        }
+        let err = SledStore::open(&path).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "state store {} was written by layout version 7; this build reads version 1 \
+                 (upgrade voucher-cdc or point state.path elsewhere)",
+                path.display()
+            )
+        );
+        // A marker naming an unknown layout is refused before sled even opens.
+        std::fs::write(path.join(LAYOUT_MARKER), "layout_version = 9\n").unwrap();
+        let err = SledStore::open(&path).unwrap_err();
+        assert!(
+            matches!(err, StateError::UnsupportedVersion { found: 9, .. }),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_store_held_by_another_handle_is_reported_as_locked() {
+        let dir = tempfile::tempdir().unwrap();
+        let _held = open(&dir);
+        let err = SledStore::open(&dir.path().join("state")).unwrap_err();
+        assert!(matches!(err, StateError::Locked { .. }), "{err:?}");
+        let message = err.to_string();
+        assert!(
+            message.contains("is locked by another process"),
+            "{message}"
+        );
+        assert!(message.contains("admin API"), "{message}");
+        assert!(!message.contains('\n'));
+    }
+
+    #[test]
+    fn garbage_in_the_directory_is_reported_as_corruption() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state");
+        std::fs::create_dir_all(&path).unwrap();
+        std::fs::write(path.join("db"), vec![0xAB; 4096]).unwrap();
+        std::fs::write(path.join("conf"), vec![0x17; 64]).unwrap();
+        let err = SledStore::open(&path).unwrap_err();
+        assert!(matches!(err, StateError::Corrupt { .. }), "{err:?}");
+        assert!(err
+            .to_string()
+            .starts_with(&format!("state store {} is corrupt: ", path.display())));
+    }
+
+    #[test]
+    fn a_store_whose_log_was_overwritten_is_not_mistaken_for_a_new_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state");
+        {
+            let store = SledStore::open(&path).unwrap();
+            store
+                .commit_page(VOUCHERS, &[(1, record(1, 0))], &[], 0)
+                .unwrap();
+            store.flush().unwrap();
+        }
+        let db = path.join("db");
+        let garbage: Vec<u8> = std::fs::read(&db)
+            .unwrap()
+            .iter()
+            .map(|b| b ^ 0x5a)
+            .collect();
+        std::fs::write(&db, garbage).unwrap();
+        let err = SledStore::open(&path).unwrap_err();
+        assert!(matches!(err, StateError::Corrupt { .. }), "{err:?}");
+        assert!(err.to_string().contains("lost its contents"), "{err}");
+    }
+
+    #[test]
+    fn an_undecodable_value_is_reported_with_its_key() {
+        let store = SledStore::open_temporary().unwrap();
+        let key = codec::record_key(KIND_RECORD, VOUCHERS, 5);
+        store.catalog.insert(key, &b"xx"[..]).unwrap();
+        let err = store.get_records(VOUCHERS, &[5]).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!(
+                "undecodable record value under key {}",
+                hex::encode(key)
+            )),
+            "{err}"
+        );
+        assert!(store.unseen_records(VOUCHERS, 1).is_err());
+        store
+            .streams
+            .insert(codec::stream_key(VOUCHERS), &b"{not json"[..])
+            .unwrap();
+        let err = store.load_stream(VOUCHERS).unwrap_err().to_string();
+        assert!(
+            err.contains("undecodable state of stream 42/vouchers"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_path_that_is_a_file_gives_one_clear_line() {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        let err = SledStore::open(file.path()).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            format!(
+                "state store {}: i/o error: the path is a file, expected a directory",
+                file.path().display()
+            )
+        );
+    }
+
+    #[test]
+    fn io_errors_map_to_the_variant_that_says_what_to_do() {
+        let path = Path::new("/var/lib/voucher-cdc");
+        let denied = map_sled_error(
+            path,
+            sled::Error::Io(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "Permission denied (os error 13)",
+            )),
+        );
+        assert_eq!(
+            denied.to_string(),
+            "state store /var/lib/voucher-cdc: permission denied: Permission denied (os error 13) \
+             (run voucher-cdc as a user that may write there, or point state.path elsewhere)"
+        );
+        let would_block = map_sled_error(path, sled::Error::Io(io::ErrorKind::WouldBlock.into()));
+        assert!(matches!(would_block, StateError::Locked { .. }));
+        let bug = map_sled_error(path, sled::Error::ReportableBug("oops".into()));
+        assert_eq!(
+            bug.to_string(),
+            "state store /var/lib/voucher-cdc: internal storage error: oops"
+        );
+    }
+}

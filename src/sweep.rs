@@ -1,0 +1,819 @@
+//! One sweep of one stream: list the upstream pages, diff them against the
+//! stored content hashes, publish the changes, and commit a page's hashes only
+//! after the sink acknowledged every event of it.
+//!
+//! The invariant this module exists to keep: **a content hash is never
+//! committed before the sink acknowledged its event.** A crash anywhere
+//! therefore re-publishes (same event ids), and never loses a change.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use serde_json::value::RawValue;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::diff::{content_hash, decide, ContentHash, Decision, DiffError, IgnoreKeys, SweepMode};
+use crate::event::{self, Event, Op, RecordChange};
+use crate::sinks::{Sink, SinkError};
+use crate::state::{Intent, RecordState, StateError, StateStore, StreamState, Tombstone};
+use crate::stream::StreamKey;
+use crate::telemetry::metric;
+use crate::upstream::client::UpstreamClient;
+use crate::upstream::error::UpstreamError;
+use crate::upstream::pagination::ListQuery;
+use crate::upstream::{Page, Record};
+
+/// Which kind of sweep the scheduler asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SweepKind {
+    /// `updated_since = watermark - lookback`; never deletes.
+    Incremental,
+    /// No `updated_since`; marks every record seen and deletes the unseen.
+    Full,
+}
+
+impl SweepKind {
+    /// The name used in metrics and status.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SweepKind::Incremental => "incremental",
+            SweepKind::Full => "full",
+        }
+    }
+}
+
+/// Settings of a sweep, derived from `[poll]`.
+#[derive(Debug, Clone)]
+pub struct SweepSettings {
+    /// Overlap subtracted from the watermark.
+    pub lookback: Duration,
+    /// Ask the API for relations.
+    pub include_relations: bool,
+    /// Keys left out of the content hash.
+    pub ignore_keys: IgnoreKeys,
+    /// Largest fraction of known records a full sweep may delete.
+    pub max_delete_fraction: f64,
+    /// First wait after a retriable sink failure; doubles up to `sink_backoff_max`.
+    pub sink_backoff_initial: Duration,
+    /// Longest wait between sink retries.
+    pub sink_backoff_max: Duration,
+    /// How long one publish call may take before it counts as a retriable failure.
+    pub publish_timeout: Duration,
+}
+
+impl Default for SweepSettings {
+    fn default() -> Self {
+        Self {
+            lookback: Duration::from_secs(60),
+            include_relations: true,
+            ignore_keys: IgnoreKeys::new(["updated_at"]),
+            max_delete_fraction: 0.5,
+            sink_backoff_initial: Duration::from_millis(200),
+            sink_backoff_max: Duration::from_secs(30),
+            publish_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// Why a sweep failed. The watermark never moves on a failed sweep.
+#[derive(Debug, thiserror::Error)]
+pub enum SweepError {
+    /// The upstream API failed (after the client's own retries).
+    #[error("{0}")]
+    Upstream(#[from] UpstreamError),
+    /// The state store failed.
+    #[error("{0}")]
+    State(#[from] StateError),
+    /// The sink rejected an event permanently.
+    #[error("sink {sink} rejected event {event_id}: {message}")]
+    SinkRejected {
+        /// Sink name.
+        sink: String,
+        /// The rejected event.
+        event_id: String,
+        /// The sink's reason.
+        message: String,
+    },
+    /// A record's JSON could not be hashed.
+    #[error("record {record_id}: {source}")]
+    Hash {
+        /// The record id.
+        record_id: i64,
+        /// What was wrong.
+        source: DiffError,
+    },
+    /// Shutdown was requested; the sweep stopped between two pages.
+    #[error("sweep interrupted by shutdown")]
+    Interrupted,
+    /// A full sweep would have deleted too much and refused.
+    #[error(
+        "full sweep refused to delete {would_delete} of {known} known records \
+         (more than poll.max_delete_fraction = {max_fraction}); check the upstream, \
+         then raise the limit or replay the stream"
+    )]
+    DeleteGuard {
+        /// Records the sweep would have deleted.
+        would_delete: u64,
+        /// Records known before the sweep.
+        known: u64,
+        /// The configured limit.
+        max_fraction: f64,
+    },
+}
+
+impl SweepError {
+    /// True when the upstream refused access (401/403/404): the stream should park.
+    pub fn is_parking(&self) -> bool {
+        matches!(self, SweepError::Upstream(e) if e.is_parking())
+    }
+}
+
+/// What a sweep did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SweepReport {
+    /// `incremental`, `full` or `replay`.
+    pub kind: &'static str,
+    /// List requests answered.
+    pub pages: u64,
+    /// Records listed.
+    pub records_seen: u64,
+    /// Events acknowledged, by op.
+    pub created: u64,
+    /// Updates acknowledged.
+    pub updated: u64,
+    /// Snapshots acknowledged.
+    pub snapshots: u64,
+    /// Deletes acknowledged.
+    pub deleted: u64,
+    /// The new watermark.
+    pub watermark: Option<DateTime<Utc>>,
+    /// Records known after the sweep.
+    pub records_known: u64,
+}
+
+impl SweepReport {
+    /// Events acknowledged in total (record events only).
+    pub fn events(&self) -> u64 {
+        self.created + self.updated + self.snapshots + self.deleted
+    }
+
+    fn count(&mut self, op: Op) {
+        match op {
+            Op::Create => self.created += 1,
+            Op::Update => self.updated += 1,
+            Op::Snapshot => self.snapshots += 1,
+            Op::Delete => self.deleted += 1,
+        }
+    }
+}
+
+/// Progress callback: called after each committed page with (records so far, pages so far).
+pub type Progress = Arc<dyn Fn(StreamKey, u64, u64) + Send + Sync>;
+
+/// Everything one stream's sweeps need.
+#[derive(Clone)]
+pub struct Sweeper {
+    /// The stream swept.
+    pub stream: StreamKey,
+    /// Upstream client (with the token's shared budget).
+    pub client: UpstreamClient,
+    /// State store.
+    pub store: Arc<dyn StateStore>,
+    /// Event sink.
+    pub sink: Arc<dyn Sink>,
+    /// Settings.
+    pub settings: Arc<SweepSettings>,
+    /// Optional progress callback.
+    pub progress: Option<Progress>,
+    /// Cancelled on shutdown: the sweep finishes the page in flight (acks
+    /// awaited, hashes committed) and requests no further page.
+    pub shutdown: CancellationToken,
+}
+
+/// The mode a sweep runs in, decided from the stream state.
+#[derive(Debug, Clone)]
+struct Plan {
+    mode: SweepMode,
+    full: bool,
+    updated_since: Option<DateTime<Utc>>,
+    replay_id: Option<String>,
+    epoch: u64,
+}
+
+impl Sweeper {
+    /// Runs one sweep; records its outcome in the stream state either way.
+    pub async fn run(&self, kind: SweepKind) -> Result<SweepReport, SweepError> {
+        let started = Utc::now();
+        let mut state = self.store.load_stream(self.stream)?;
+        state.last_sweep_started = Some(started);
+        let plan = self.plan(&state, kind);
+        if plan.full {
+            state.full_sweep_epoch = plan.epoch;
+        }
+        self.store.save_stream(self.stream, &state)?;
+        let label = if plan.replay_id.is_some() {
+            "replay"
+        } else if plan.full {
+            "full"
+        } else {
+            "incremental"
+        };
+        debug!(tenant = self.stream.tenant, resource = %self.stream.resource, kind = label, "sweep started");
+
+        let result = self.sweep(&plan, &mut state, label).await;
+        let outcome = match &result {
+            Ok(_) => "ok",
+            Err(SweepError::Interrupted) => "interrupted",
+            Err(_) => "error",
+        };
+        metrics::counter!(metric::SWEEPS, "tenant" => self.stream.tenant.to_string(),
+            "resource" => self.stream.resource.as_str(), "kind" => label, "outcome" => outcome)
+        .increment(1);
+
+        // Reload: the sweep may have saved replay progress.
+        let mut state = self.store.load_stream(self.stream)?;
+        match &result {
+            Ok(report) => {
+                state.watermark = report.watermark;
+                state.last_sweep_finished = Some(Utc::now());
+                if plan.full {
+                    state.last_full_sweep_finished = state.last_sweep_finished;
+                }
+                state.last_error = None;
+                state.last_error_at = None;
+                state.parked = None;
+                state.records_known = report.records_known;
+                info!(tenant = self.stream.tenant, resource = %self.stream.resource, kind = label,
+                    pages = report.pages, records = report.records_seen, events = report.events(),
+                    deleted = report.deleted, "sweep finished");
+            }
+            Err(SweepError::Interrupted) => {
+                info!(tenant = self.stream.tenant, resource = %self.stream.resource, kind = label,
+                    "sweep interrupted by shutdown; the next run resumes from the same watermark");
+            }
+            Err(e) => {
+                state.last_error = Some(e.to_string());
+                state.last_error_at = Some(Utc::now());
+                warn!(tenant = self.stream.tenant, resource = %self.stream.resource, kind = label,
+                    error = %e, "sweep failed");
+            }
+        }
+        self.store.save_stream(self.stream, &state)?;
+        self.store.flush()?;
+        if let Err(e) = self.sink.flush().await {
+            warn!(sink = self.sink.name(), error = %e, "sink flush failed");
+        }
+        result
+    }
+
+    fn plan(&self, state: &StreamState, kind: SweepKind) -> Plan {
+        if let Some(replay) = state.replay.as_ref().filter(|r| r.pending) {
+            return Plan {
+                mode: SweepMode::Replay,
+                full: replay.since.is_none(),
+                updated_since: replay.since,
+                replay_id: Some(replay.id.clone()),
+                epoch: state.full_sweep_epoch + u64::from(replay.since.is_none()),
+            };
+        }
+        let Some(watermark) = state.watermark else {
+            // First sync: a complete listing, emitted as snapshots.
+            return Plan {
+                mode: SweepMode::FirstSync,
+                full: true,
+                updated_since: None,
+                replay_id: None,
+                epoch: state.full_sweep_epoch + 1,
+            };
+        };
+        match kind {
+            SweepKind::Full => Plan {
+                mode: SweepMode::Normal,
+                full: true,
+                updated_since: None,
+                replay_id: None,
+                epoch: state.full_sweep_epoch + 1,
+            },
+            SweepKind::Incremental => {
+                let lookback = chrono::Duration::from_std(self.settings.lookback)
+                    .unwrap_or_else(|_| chrono::Duration::zero());
+                Plan {
+                    mode: SweepMode::Normal,
+                    full: false,
+                    updated_since: Some(watermark - lookback),
+                    replay_id: None,
+                    epoch: state.full_sweep_epoch,
+                }
+            }
+        }
+    }
+
+    async fn sweep(
+        &self,
+        plan: &Plan,
+        state: &mut StreamState,
+        label: &'static str,
+    ) -> Result<SweepReport, SweepError> {
+        let mut report = SweepReport {
+            kind: label,
+            ..SweepReport::default()
+        };
+        let known_before = self.store.record_count(self.stream)?;
+        if let Some(replay_id) = &plan.replay_id {
+            let since = state
+                .replay
+                .as_ref()
+                .and_then(|r| r.since)
+                .map(event::format_time);
+            let started = event::replay_event(
+                self.stream,
+                replay_id,
+                since.as_deref(),
+                false,
+                0,
+                Utc::now(),
+            );
+            self.publish_all(std::slice::from_ref(&started)).await?;
+        }
+
+        let mut query = ListQuery {
+            updated_since: plan.updated_since,
+            cursor: None,
+            include_relations: self.settings.include_relations,
+        };
+        let mut first_server_time = None;
+        loop {
+            let page = self
+                .client
+                .list_page(self.stream.tenant, self.stream.resource, &query)
+                .await?;
+            first_server_time.get_or_insert(page.server_time);
+            report.pages += 1;
+            report.records_seen += page.records.len() as u64;
+            self.count_page(&page);
+            self.process_page(plan, &page.records, &mut report).await?;
+            if let Some(progress) = &self.progress {
+                progress(self.stream, report.records_seen, report.pages);
+            }
+            match page.next_cursor {
+                Some(_) if self.shutdown.is_cancelled() => return Err(SweepError::Interrupted),
+                Some(cursor) => query.cursor = Some(cursor),
+                None => break,
+            }
+        }
+
+        if plan.full {
+            self.delete_unseen(plan, known_before, &mut report).await?;
+        }
+
+        if let Some(replay_id) = &plan.replay_id {
+            let since = state
+                .replay
+                .as_ref()
+                .and_then(|r| r.since)
+                .map(event::format_time);
+            let completed = event::replay_event(
+                self.stream,
+                replay_id,
+                since.as_deref(),
+                true,
+                report.snapshots,
+                Utc::now(),
+            );
+            self.publish_all(std::slice::from_ref(&completed)).await?;
+            let mut fresh = self.store.load_stream(self.stream)?;
+            if let Some(replay) = fresh.replay.as_mut().filter(|r| &r.id == replay_id) {
+                replay.pending = false;
+                replay.records = report.snapshots;
+            }
+            self.store.save_stream(self.stream, &fresh)?;
+            *state = fresh;
+        }
+
+        report.watermark = first_server_time;
+        report.records_known = self.store.record_count(self.stream)?;
+        Ok(report)
+    }
+
+    fn count_page(&self, page: &Page) {
+        let tenant = self.stream.tenant.to_string();
+        let resource = self.stream.resource.as_str();
+        metrics::counter!(metric::PAGES, "tenant" => tenant.clone(), "resource" => resource)
+            .increment(1);
+        metrics::counter!(metric::RECORDS_SEEN, "tenant" => tenant, "resource" => resource)
+            .increment(page.records.len() as u64);
+    }
+
+    /// Diffs one page, publishes its changes, and commits them after the acks.
+    async fn process_page(
+        &self,
+        plan: &Plan,
+        records: &[Record],
+        report: &mut SweepReport,
+    ) -> Result<(), SweepError> {
+        if records.is_empty() {
+            return Ok(());
+        }
+        // A record listed twice in one page counts once, as its last version.
+        let mut last_index: HashMap<i64, usize> = HashMap::with_capacity(records.len());
+        for (i, r) in records.iter().enumerate() {
+            last_index.insert(r.id, i);
+        }
+        let records: Vec<&Record> = records
+            .iter()
+            .enumerate()
+            .filter(|(i, r)| last_index.get(&r.id) == Some(i))
+            .map(|(_, r)| r)
+            .collect();
+
+        let ids: Vec<i64> = records.iter().map(|r| r.id).collect();
+        let known = self.store.get_records(self.stream, &ids)?;
+        let unknown_ids: Vec<i64> = ids
+            .iter()
+            .zip(&known)
+            .filter(|(_, k)| k.is_none())
+            .map(|(id, _)| *id)
+            .collect();
+        let tombstones: HashMap<i64, Tombstone> = if unknown_ids.is_empty() {
+            HashMap::new()
+        } else {
+            unknown_ids
+                .iter()
+                .copied()
+                .zip(self.store.get_tombstones(self.stream, &unknown_ids)?)
+                .filter_map(|(id, t)| t.map(|t| (id, t)))
+                .collect()
+        };
+
+        let detected_at = Utc::now();
+        let mut pending: Vec<PendingChange> = Vec::new();
+        let mut seen_unchanged: Vec<i64> = Vec::new();
+        for (record, known) in records.iter().zip(&known) {
+            let hash =
+                content_hash(record.raw.get(), &self.settings.ignore_keys).map_err(|source| {
+                    SweepError::Hash {
+                        record_id: record.id,
+                        source,
+                    }
+                })?;
+            let decision = decide(known.as_ref().map(|k| k.hash), hash, plan.mode);
+            let Decision::Emit { op, previous } = decision else {
+                seen_unchanged.push(record.id);
+                continue;
+            };
+            let generation = match known {
+                Some(k) => k.generation,
+                None => tombstones.get(&record.id).map_or(0, |t| t.generation),
+            };
+            pending.push(PendingChange {
+                record,
+                op,
+                hash,
+                previous,
+                generation,
+                updated_at_micros: parse_micros(record.updated_at.as_deref()),
+            });
+        }
+
+        if !pending.is_empty() {
+            let intents: Vec<(i64, Intent)> = pending
+                .iter()
+                .map(|c| {
+                    (
+                        c.record.id,
+                        Intent {
+                            hash: c.hash,
+                            updated_at: c.updated_at_micros,
+                            generation: c.generation,
+                        },
+                    )
+                })
+                .collect();
+            self.store.write_intents(self.stream, &intents)?;
+
+            let hashes: Vec<(String, Option<String>)> = pending
+                .iter()
+                .map(|c| (c.hash.to_hex(), c.previous.map(|p| p.to_hex())))
+                .collect();
+            let record_ids: Vec<String> = pending.iter().map(|c| c.record.id.to_string()).collect();
+            let events: Vec<Event> = pending
+                .iter()
+                .zip(&hashes)
+                .zip(&record_ids)
+                .map(|((c, (hash, previous)), record_id)| {
+                    event::record_event(&RecordChange {
+                        stream: self.stream,
+                        record_id,
+                        generation: c.generation,
+                        op: c.op,
+                        updated_at: c.record.updated_at.as_deref(),
+                        content_hash: hash,
+                        previous_hash: previous.as_deref(),
+                        replay_id: plan.replay_id.as_deref(),
+                        data: &c.record.raw,
+                        detected_at,
+                    })
+                })
+                .collect();
+            self.publish_all(&events).await?;
+            for (c, e) in pending.iter().zip(&events) {
+                report.count(c.op);
+                self.count_event(e);
+            }
+        }
+
+        // Every event of the page is acknowledged: now, and only now, commit.
+        let commits: Vec<(i64, RecordState)> = pending
+            .iter()
+            .map(|c| {
+                (
+                    c.record.id,
+                    RecordState {
+                        hash: c.hash,
+                        updated_at: c.updated_at_micros,
+                        seen_epoch: plan.epoch,
+                        generation: c.generation,
+                    },
+                )
+            })
+            .collect();
+        let seen: &[i64] = if plan.full { &seen_unchanged } else { &[] };
+        self.store
+            .commit_page(self.stream, &commits, seen, plan.epoch)?;
+        Ok(())
+    }
+
+    /// After a complete full listing: emits `*.deleted` for every record (and
+    /// every possibly-published intent) the listing did not contain.
+    async fn delete_unseen(
+        &self,
+        plan: &Plan,
+        known_before: u64,
+        report: &mut SweepReport,
+    ) -> Result<(), SweepError> {
+        let unseen = self.store.unseen_records(self.stream, plan.epoch)?;
+        let intents: HashMap<i64, Intent> = self
+            .store
+            .pending_intents(self.stream)?
+            .into_iter()
+            .collect();
+
+        // A pending intent is the latest version possibly published.
+        let mut doomed: Vec<Doomed> = unseen
+            .iter()
+            .map(|(id, r)| match intents.get(id) {
+                Some(i) => Doomed::new(*id, r.generation, i.hash, i.updated_at),
+                None => Doomed::new(*id, r.generation, r.hash, r.updated_at),
+            })
+            .collect();
+        // Intents of records never committed: published perhaps, gone now.
+        let unseen_ids: HashSet<i64> = unseen.iter().map(|(id, _)| *id).collect();
+        let orphans: Vec<i64> = intents
+            .keys()
+            .copied()
+            .filter(|id| !unseen_ids.contains(id))
+            .collect();
+        if !orphans.is_empty() {
+            let stored = self.store.get_records(self.stream, &orphans)?;
+            for (id, stored) in orphans.iter().zip(stored) {
+                if let (None, Some(i)) = (stored, intents.get(id)) {
+                    doomed.push(Doomed::new(*id, i.generation, i.hash, i.updated_at));
+                }
+            }
+        }
+        if doomed.is_empty() {
+            return Ok(());
+        }
+        let would_delete = doomed.len() as u64;
+        let limit = self.settings.max_delete_fraction * (known_before.max(1) as f64);
+        if plan.mode != SweepMode::FirstSync && (would_delete as f64) > limit {
+            metrics::counter!(metric::DELETES_REFUSED, "tenant" => self.stream.tenant.to_string(),
+                "resource" => self.stream.resource.as_str())
+            .increment(1);
+            return Err(SweepError::DeleteGuard {
+                would_delete,
+                known: known_before,
+                max_fraction: self.settings.max_delete_fraction,
+            });
+        }
+
+        let detected_at = Utc::now();
+        doomed.sort_by_key(|d| d.id);
+        for chunk in doomed.chunks(500) {
+            let events: Vec<Event> = chunk
+                .iter()
+                .map(|d| {
+                    d.event(
+                        self.stream,
+                        plan.replay_id.as_deref(),
+                        detected_at,
+                        &self.settings.ignore_keys,
+                    )
+                })
+                .collect::<Result<_, _>>()?;
+            self.publish_all(&events).await?;
+            for e in &events {
+                report.count(Op::Delete);
+                self.count_event(e);
+            }
+            let tombstones: Vec<(i64, Tombstone)> = chunk.iter().map(Doomed::tombstone).collect();
+            self.store.commit_deletes(self.stream, &tombstones)?;
+        }
+        Ok(())
+    }
+
+    fn count_event(&self, e: &Event) {
+        metrics::counter!(metric::EVENTS_PUBLISHED,
+            "tenant" => self.stream.tenant.to_string(),
+            "resource" => self.stream.resource.as_str(),
+            "type" => e.ty.as_str(),
+            "op" => e.op.map_or("none", Op::as_str))
+        .increment(1);
+    }
+
+    /// Publishes until every event is acknowledged. Retriable failures are
+    /// retried (only the failed events) with capped exponential backoff; a
+    /// fatal one fails the sweep. Nothing is committed in here.
+    async fn publish_all(&self, events: &[Event]) -> Result<(), SweepError> {
+        let mut outstanding: Vec<&Event> = events.iter().collect();
+        let mut backoff = self.settings.sink_backoff_initial;
+        let mut attempt: u32 = 0;
+        while !outstanding.is_empty() {
+            let batch: Vec<Event> = outstanding.iter().map(|e| (*e).clone()).collect();
+            let started = Instant::now();
+            let acks = match tokio::time::timeout(
+                self.settings.publish_timeout,
+                self.sink.publish(&batch),
+            )
+            .await
+            {
+                Ok(acks) => acks,
+                Err(_) => vec![
+                    Err(SinkError::Retriable(format!(
+                        "no acknowledgement within {:?}",
+                        self.settings.publish_timeout
+                    )));
+                    batch.len()
+                ],
+            };
+            metrics::histogram!(metric::PUBLISH_LATENCY, "sink" => self.sink.name().to_string())
+                .record(started.elapsed().as_secs_f64());
+            let mut retry = Vec::new();
+            let mut last_error = None;
+            for (i, event) in outstanding.iter().enumerate() {
+                match acks.get(i) {
+                    Some(Ok(())) => {}
+                    Some(Err(SinkError::Fatal(message))) => {
+                        return Err(SweepError::SinkRejected {
+                            sink: self.sink.name().to_string(),
+                            event_id: event.id.clone(),
+                            message: message.clone(),
+                        });
+                    }
+                    Some(Err(e @ SinkError::Retriable(_))) => {
+                        last_error = Some(e.to_string());
+                        retry.push(*event);
+                    }
+                    None => {
+                        last_error = Some("sink returned fewer acks than events".to_string());
+                        retry.push(*event);
+                    }
+                }
+            }
+            if retry.is_empty() {
+                return Ok(());
+            }
+            attempt += 1;
+            warn!(tenant = self.stream.tenant, resource = %self.stream.resource,
+                sink = self.sink.name(), failed = retry.len(), attempt,
+                error = last_error.as_deref().unwrap_or(""),
+                "sink did not acknowledge every event; retrying without committing");
+            let jitter = rand::random::<f64>() * 0.2 + 0.9;
+            tokio::select! {
+                _ = tokio::time::sleep(backoff.mul_f64(jitter)) => {}
+                // Nothing of this batch is committed: stopping here loses nothing.
+                _ = self.shutdown.cancelled() => return Err(SweepError::Interrupted),
+            }
+            backoff = (backoff * 2).min(self.settings.sink_backoff_max);
+            outstanding = retry;
+        }
+        Ok(())
+    }
+}
+
+struct PendingChange<'a> {
+    record: &'a Record,
+    op: Op,
+    hash: ContentHash,
+    previous: Option<ContentHash>,
+    generation: u32,
+    updated_at_micros: Option<i64>,
+}
+
+/// A record a full sweep will delete, with the last version possibly published.
+struct Doomed {
+    id: i64,
+    generation: u32,
+    last_hash: ContentHash,
+    updated_at: Option<i64>,
+}
+
+impl Doomed {
+    fn new(id: i64, generation: u32, last_hash: ContentHash, updated_at: Option<i64>) -> Self {
+        Self {
+            id,
+            generation,
+            last_hash,
+            updated_at,
+        }
+    }
+
+    /// The `*.deleted` event: `data` is `{"id":N}`, `previoushash` the last hash.
+    fn event(
+        &self,
+        stream: StreamKey,
+        replay_id: Option<&str>,
+        detected_at: DateTime<Utc>,
+        ignore: &IgnoreKeys,
+    ) -> Result<Event, SweepError> {
+        let data = delete_data(self.id);
+        let hash = content_hash(data.get(), ignore).map_err(|source| SweepError::Hash {
+            record_id: self.id,
+            source,
+        })?;
+        let updated_at = self.updated_at.and_then(format_micros);
+        Ok(event::record_event(&RecordChange {
+            stream,
+            record_id: &self.id.to_string(),
+            generation: self.generation,
+            op: Op::Delete,
+            updated_at: updated_at.as_deref(),
+            content_hash: &hash.to_hex(),
+            previous_hash: Some(&self.last_hash.to_hex()),
+            replay_id,
+            data: &data,
+            detected_at,
+        }))
+    }
+
+    /// The tombstone: the next incarnation of this id starts a new generation.
+    fn tombstone(&self) -> (i64, Tombstone) {
+        (
+            self.id,
+            Tombstone {
+                generation: self.generation.saturating_add(1),
+                last_hash: self.last_hash,
+                updated_at: self.updated_at,
+            },
+        )
+    }
+}
+
+/// The `data` of a delete event: just the record id.
+fn delete_data(id: i64) -> Box<RawValue> {
+    RawValue::from_string(format!("{{\"id\":{id}}}")).unwrap_or_else(|_| RawValue::NULL.to_owned())
+}
+
+/// Parses an API timestamp into unix microseconds (None when absent or unreadable).
+pub fn parse_micros(updated_at: Option<&str>) -> Option<i64> {
+    updated_at
+        .and_then(|s| DateTime::parse_from_rfc3339(s).ok())
+        .map(|t| t.with_timezone(&Utc).timestamp_micros())
+}
+
+/// Formats unix microseconds the way events carry times.
+pub fn format_micros(micros: i64) -> Option<String> {
+    DateTime::<Utc>::from_timestamp_micros(micros).map(event::format_time)
+}
+
+/// Schedules a replay of one stream: a new replay id, the watermark cleared
+/// (or set to `since`). The stream's next sweep emits every record it lists
+/// as `op: snapshot`; other streams are untouched. Returns the replay id.
+pub fn schedule_replay(
+    store: &dyn StateStore,
+    stream: StreamKey,
+    since: Option<DateTime<Utc>>,
+) -> Result<String, StateError> {
+    let mut state = store.load_stream(stream)?;
+    let id = new_replay_id();
+    state.replay = Some(crate::state::ReplayState {
+        id: id.clone(),
+        since,
+        requested_at: Utc::now(),
+        pending: true,
+        records: 0,
+    });
+    state.watermark = since;
+    store.save_stream(stream, &state)?;
+    store.flush()?;
+    info!(tenant = stream.tenant, resource = %stream.resource, replay_id = %id, "replay scheduled");
+    Ok(id)
+}
+
+fn new_replay_id() -> String {
+    let bytes: [u8; 16] = rand::random();
+    hex::encode(bytes)
+}

@@ -1,0 +1,871 @@
+//! The typed HTTP client of the External Voucher API: one place that spends
+//! the token's shared rate budget, retries what is worth retrying, maps every
+//! status to a typed error, and keeps the bearer token out of every log line,
+//! error message and Debug output.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use chrono::{DateTime, NaiveDateTime, Utc};
+use reqwest::header::{HeaderMap, HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_TYPE, RETRY_AFTER};
+use reqwest::{Method, StatusCode};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use url::Url;
+
+use super::error::UpstreamError;
+use super::model::RedeemRequest;
+use super::pagination::decode_record;
+use super::ratelimit::RateBudget;
+use super::Record;
+use crate::stream::TenantId;
+use crate::telemetry::metric;
+
+/// Longest upstream error text kept in an error message, in characters.
+const MAX_MESSAGE_CHARS: usize = 300;
+
+/// Shortest token that is scrubbed from upstream text.
+const MIN_SCRUBBED_TOKEN_CHARS: usize = 8;
+
+/// A bearer token that never prints: Debug and Display show `***`.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct SecretToken(String);
+
+impl SecretToken {
+    /// Wraps a token.
+    pub fn new(token: impl Into<String>) -> Self {
+        Self(token.into())
+    }
+
+    /// The token itself; only for building the `Authorization` header.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// A short non-secret identifier (first 8 hex digits of the token's blake3 hash) for logs and metrics.
+    pub fn fingerprint(&self) -> String {
+        let hash = blake3::hash(self.0.as_bytes());
+        hex::encode(&hash.as_bytes()[..4])
+    }
+}
+
+impl From<String> for SecretToken {
+    fn from(token: String) -> Self {
+        Self(token)
+    }
+}
+
+impl fmt::Debug for SecretToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("***")
+    }
+}
+
+impl fmt::Display for SecretToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("***")
+    }
+}
+
+/// Connection, timeout and retry settings of the client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientOptions {
+    /// API base URL including the version prefix (`.../api/external/v1`).
+    pub base_url: Url,
+    /// Limit for one attempt: connect, send, and read the whole body.
+    pub timeout: Duration,
+    /// Attempts per request, the first one included (at least 1).
+    pub max_attempts: u32,
+    /// Backoff before the second attempt; doubles per attempt.
+    pub backoff_initial: Duration,
+    /// Longest backoff between two attempts.
+    pub backoff_max: Duration,
+    /// Longest wait honoured from a `Retry-After` header.
+    pub retry_after_max: Duration,
+    /// Wait after a 429 without a usable `Retry-After` (the upstream's counting window).
+    pub rate_limit_window: Duration,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        Self {
+            base_url: default_base_url(),
+            timeout: Duration::from_secs(30),
+            max_attempts: 6,
+            backoff_initial: Duration::from_millis(500),
+            backoff_max: Duration::from_secs(30),
+            retry_after_max: Duration::from_secs(120),
+            rate_limit_window: Duration::from_secs(60),
+        }
+    }
+}
+
+/// The default base URL: a simulator on the local machine.
+fn default_base_url() -> Url {
+    const LOCAL: &str = "http://127.0.0.1:8080/api/external/v1";
+    match Url::parse(LOCAL) {
+        Ok(url) => url,
+        Err(e) => unreachable!("constant url {LOCAL} does not parse: {e}"),
+    }
+}
+
+/// Async client for the shown endpoints of the External Voucher API; cheap to clone.
+#[derive(Clone)]
+pub struct UpstreamClient {
+    /// Shared state of all clones.
+    inner: Arc<Inner>,
+}
+
+/// What every clone of a client shares.
+struct Inner {
+    /// The HTTP connection pool.
+    http: reqwest::Client,
+    /// Settings.
+    opts: ClientOptions,
+    /// `Bearer <token>`, marked sensitive.
+    authorization: HeaderValue,
+    /// The token itself, only to scrub it from upstream-provided text.
+    token: SecretToken,
+    /// Non-secret token fingerprint for metrics and logs.
+    token_id: String,
+    /// The token's shared request budget.
+    budget: Arc<RateBudget>,
+}
+
+impl fmt::Debug for UpstreamClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UpstreamClient")
+            .field("base_url", &self.inner.opts.base_url.as_str())
+            .field("token", &self.inner.token)
+            .field("token_id", &self.inner.token_id)
+            .field("budget", &self.inner.budget)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Whether a failed attempt may be repeated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RetryPolicy {
+    /// GET: retry 429, 5xx, timeouts, transport errors and broken bodies.
+    Idempotent,
+    /// POST: retry only 429 (the request was refused before it acted).
+    RateLimitOnly,
+}
+
+/// One logical request (retried as a unit).
+pub(crate) struct Call {
+    /// Tenant label for metrics and logs.
+    pub(crate) tenant: TenantId,
+    /// Resource label for metrics and logs (`vouchers`, `categories`, `redemptions`).
+    pub(crate) resource: &'static str,
+    /// HTTP method.
+    method: Method,
+    /// Full URL with query.
+    url: Url,
+    /// Path below the base URL, for messages.
+    pub(crate) path: String,
+    /// JSON body, if any.
+    body: Option<Bytes>,
+    /// What may be retried.
+    policy: RetryPolicy,
+}
+
+/// How one attempt failed.
+enum Failure {
+    /// Do not retry.
+    Final(UpstreamError),
+    /// 429: wait this long, then retry.
+    RateLimited(UpstreamError, Duration),
+    /// Worth another attempt after a backoff; the label is the retry `reason`.
+    Retriable(UpstreamError, &'static str),
+}
+
+impl UpstreamClient {
+    /// Builds a client that spends `budget` (share one budget per token, see `BudgetRegistry`).
+    pub fn new(
+        opts: ClientOptions,
+        token: SecretToken,
+        budget: Arc<RateBudget>,
+    ) -> Result<Self, UpstreamError> {
+        match opts.base_url.scheme() {
+            "http" | "https" => {}
+            other => {
+                return Err(UpstreamError::Config(format!(
+                    "base_url scheme `{other}` is not supported: valid options are http, https"
+                )))
+            }
+        }
+        if opts.base_url.cannot_be_a_base() || opts.base_url.host_str().is_none() {
+            return Err(UpstreamError::Config(
+                "base_url must be an absolute http(s) url with a host".into(),
+            ));
+        }
+        if !opts.base_url.username().is_empty() || opts.base_url.password().is_some() {
+            return Err(UpstreamError::Config(
+                "base_url must not carry credentials; the bearer token goes in upstream.token"
+                    .into(),
+            ));
+        }
+        if opts.base_url.query().is_some() || opts.base_url.fragment().is_some() {
+            return Err(UpstreamError::Config(
+                "base_url must not carry a query or fragment".into(),
+            ));
+        }
+        if opts.timeout.is_zero() {
+            return Err(UpstreamError::Config(
+                "timeout must be greater than 0".into(),
+            ));
+        }
+        if token.expose().trim().is_empty() {
+            return Err(UpstreamError::Config("the upstream token is empty".into()));
+        }
+        let mut authorization = HeaderValue::from_str(&format!("Bearer {}", token.expose()))
+            .map_err(|_| {
+                UpstreamError::Config(
+                    "the upstream token contains characters not allowed in an http header".into(),
+                )
+            })?;
+        authorization.set_sensitive(true);
+        let mut default_headers = HeaderMap::new();
+        default_headers.insert(ACCEPT, HeaderValue::from_static("application/json"));
+        let http = reqwest::Client::builder()
+            .use_rustls_tls()
+            .timeout(opts.timeout)
+            .redirect(reqwest::redirect::Policy::none())
+            .user_agent(concat!("voucher-cdc/", env!("CARGO_PKG_VERSION")))
+            .default_headers(default_headers)
+            .build()
+            .map_err(|e| UpstreamError::Config(format!("building the http client failed: {e}")))?;
+        let token_id = token.fingerprint();
+        Ok(Self {
+            inner: Arc::new(Inner {
+                http,
+                opts,
+                authorization,
+                token,
+                token_id,
+                budget,
+            }),
+        })
+    }
+
+    /// The options the client was built with.
+    pub fn options(&self) -> &ClientOptions {
+        &self.inner.opts
+    }
+
+    /// The rate budget this client spends.
+    pub fn budget(&self) -> &Arc<RateBudget> {
+        &self.inner.budget
+    }
+
+    /// The non-secret fingerprint of the client's token.
+    pub fn token_id(&self) -> &str {
+        &self.inner.token_id
+    }
+
+    /// `GET /tenants/{tenant}/catalog/vouchers/{id}`: one catalog voucher.
+    pub async fn get_voucher(&self, tenant: TenantId, id: i64) -> Result<Record, UpstreamError> {
+        self.get_one(tenant, "vouchers", id).await
+    }
+
+    /// `GET /tenants/{tenant}/catalog/categories/{id}`: one catalog category.
+    pub async fn get_category(&self, tenant: TenantId, id: i64) -> Result<Record, UpstreamError> {
+        self.get_one(tenant, "categories", id).await
+    }
+
+    /// `POST /tenants/{tenant}/redemptions`: the redemption result (`data`); retried only on 429.
+    pub async fn redeem(
+        &self,
+        tenant: TenantId,
+        req: &RedeemRequest,
+    ) -> Result<serde_json::Value, UpstreamError> {
+        let body = serde_json::to_vec(req).map_err(|e| {
+            UpstreamError::Config(format!("encoding the redeem request failed: {e}"))
+        })?;
+        let tenant_segment = tenant.to_string();
+        let (url, path) = self.endpoint(&["tenants", &tenant_segment, "redemptions"]);
+        let call = Call {
+            tenant,
+            resource: "redemptions",
+            method: Method::POST,
+            url,
+            path,
+            body: Some(Bytes::from(body)),
+            policy: RetryPolicy::RateLimitOnly,
+        };
+        self.execute(&call, |body| {
+            #[derive(Deserialize)]
+            struct Envelope {
+                data: serde_json::Value,
+            }
+            serde_json::from_slice::<Envelope>(body)
+                .map(|envelope| envelope.data)
+                .map_err(|e| format!("body is not a redemption envelope: {e}"))
+        })
+        .await
+    }
+
+    /// One `GET .../catalog/{resource}/{id}` returning `{"data": record}`.
+    async fn get_one(
+        &self,
+        tenant: TenantId,
+        resource: &'static str,
+        id: i64,
+    ) -> Result<Record, UpstreamError> {
+        let tenant_segment = tenant.to_string();
+        let id_segment = id.to_string();
+        let (url, path) =
+            self.endpoint(&["tenants", &tenant_segment, "catalog", resource, &id_segment]);
+        let call = self.get_call(tenant, resource, url, path);
+        self.execute(&call, |body| {
+            #[derive(Deserialize)]
+            struct Envelope {
+                data: Box<RawValue>,
+            }
+            let envelope: Envelope = serde_json::from_slice(body)
+                .map_err(|e| format!("body is not a single-record envelope: {e}"))?;
+            decode_record(envelope.data).map_err(|skip| format!("the record {skip}"))
+        })
+        .await
+    }
+
+    /// A retried GET of `url`.
+    pub(crate) fn get_call(
+        &self,
+        tenant: TenantId,
+        resource: &'static str,
+        url: Url,
+        path: String,
+    ) -> Call {
+        Call {
+            tenant,
+            resource,
+            method: Method::GET,
+            url,
+            path,
+            body: None,
+            policy: RetryPolicy::Idempotent,
+        }
+    }
+
+    /// The URL of `segments` below the base URL, and its path for messages (`/tenants/3/catalog/vouchers`).
+    pub(crate) fn endpoint(&self, segments: &[&str]) -> (Url, String) {
+        let mut url = self.inner.opts.base_url.clone();
+        if let Ok(mut path) = url.path_segments_mut() {
+            path.pop_if_empty().extend(segments);
+        }
+        (url, format!("/{}", segments.join("/")))
+    }
+
+    /// Runs `call` until it succeeds, fails for good, or uses up its attempts; `decode` turns a 2xx body into the result.
+    pub(crate) async fn execute<T>(
+        &self,
+        call: &Call,
+        decode: impl Fn(&[u8]) -> Result<T, String>,
+    ) -> Result<T, UpstreamError> {
+        let opts = &self.inner.opts;
+        let max_attempts = opts.max_attempts.max(1);
+        let mut attempt = 0u32;
+        loop {
+            attempt += 1;
+            self.inner.budget.acquire().await;
+            let failure = match self.send_once(call).await {
+                Ok(body) => match decode(&body) {
+                    Ok(value) => return Ok(value),
+                    Err(reason) => {
+                        let err = UpstreamError::InvalidResponse {
+                            path: call.path.clone(),
+                            reason,
+                        };
+                        Failure::Retriable(err, "body")
+                    }
+                },
+                Err(failure) => failure,
+            };
+            let (err, reason, wait) = match failure {
+                Failure::Final(err) => return Err(err),
+                Failure::Retriable(err, _) if call.policy == RetryPolicy::RateLimitOnly => {
+                    return Err(err)
+                }
+                Failure::RateLimited(err, wait) => {
+                    metrics::counter!(metric::UPSTREAM_RATE_LIMITED, "token_id" => self.inner.token_id.clone())
+                        .increment(1);
+                    // Every stream on this token waits, not just this one.
+                    self.inner.budget.pause_for(wait);
+                    (err, "429", Duration::ZERO)
+                }
+                Failure::Retriable(err, reason) => {
+                    let wait = backoff_delay(
+                        attempt,
+                        opts.backoff_initial,
+                        opts.backoff_max,
+                        rand::random::<f64>(),
+                    );
+                    (err, reason, wait)
+                }
+            };
+            if attempt >= max_attempts {
+                tracing::warn!(
+                    tenant = call.tenant,
+                    resource = call.resource,
+                    path = %call.path,
+                    attempts = attempt,
+                    error = %err,
+                    "upstream request failed; giving up"
+                );
+                return Err(UpstreamError::Exhausted {
+                    path: call.path.clone(),
+                    attempts: attempt,
+                    last_status: err.status(),
+                    last: err.to_string(),
+                });
+            }
+            metrics::counter!(
+                metric::UPSTREAM_RETRIES,
+                "tenant" => call.tenant.to_string(),
+                "resource" => call.resource,
+                "reason" => reason
+            )
+            .increment(1);
+            tracing::warn!(
+                tenant = call.tenant,
+                resource = call.resource,
+                path = %call.path,
+                attempt,
+                reason,
+                backoff = %humantime::format_duration(wait),
+                error = %err,
+                "upstream request failed; retrying"
+            );
+            if !wait.is_zero() {
+                tokio::time::sleep(wait).await;
+            }
+        }
+    }
+
+    /// One attempt: send, read the whole body, classify the status.
+    async fn send_once(&self, call: &Call) -> Result<Bytes, Failure> {
+        let mut request = self
+            .inner
+            .http
+            .request(call.method.clone(), call.url.clone())
+            .header(AUTHORIZATION, self.inner.authorization.clone());
+        if let Some(body) = &call.body {
+            request = request
+                .header(CONTENT_TYPE, "application/json")
+                .body(body.clone());
+        }
+        let response = match request.send().await {
+            Ok(response) => response,
+            Err(e) => {
+                self.count_request(call, "error");
+                return Err(self.transport_failure(call, &e));
+            }
+        };
+        let status = response.status();
+        self.count_request(call, status.as_str());
+        tracing::debug!(
+            tenant = call.tenant,
+            resource = call.resource,
+            method = %call.method,
+            path = %call.path,
+            status = status.as_u16(),
+            "upstream response"
+        );
+        let retry_after = response
+            .headers()
+            .get(RETRY_AFTER)
+            .and_then(|value| value.to_str().ok())
+            .map(str::to_owned);
+        let body = response.bytes().await;
+        if status.is_success() {
+            return body.map_err(|e| self.transport_failure(call, &e));
+        }
+        // An unreadable error body still leaves the status to act on.
+        let body = body.unwrap_or_default();
+        Err(self.status_failure(call, status, &body, retry_after.as_deref()))
+    }
+
+    /// Counts one attempt under `upstream_requests_total`.
+    fn count_request(&self, call: &Call, status: &str) {
+        metrics::counter!(
+            metric::UPSTREAM_REQUESTS,
+            "tenant" => call.tenant.to_string(),
+            "resource" => call.resource,
+            "status" => status.to_owned()
+        )
+        .increment(1);
+    }
+
+    /// Maps a non-success status to a typed error and whether to retry it.
+    fn status_failure(
+        &self,
+        call: &Call,
+        status: StatusCode,
+        body: &[u8],
+        retry_after: Option<&str>,
+    ) -> Failure {
+        let ErrorBody { message, errors } = parse_error_body(status, body);
+        let message = self.scrub(&message);
+        let path = call.path.clone();
+        match status.as_u16() {
+            401 => Failure::Final(UpstreamError::Unauthorized { path, message }),
+            403 => Failure::Final(UpstreamError::Forbidden { path, message }),
+            404 => Failure::Final(UpstreamError::NotFound { path, message }),
+            422 => {
+                let errors = errors
+                    .into_iter()
+                    .map(|(field, messages)| {
+                        let messages = messages.iter().map(|m| self.scrub(m)).collect();
+                        (self.scrub(&field), messages)
+                    })
+                    .collect();
+                Failure::Final(UpstreamError::Validation {
+                    path,
+                    message,
+                    errors,
+                })
+            }
+            429 => {
+                let opts = &self.inner.opts;
+                let wait = retry_after
+                    .and_then(|value| parse_retry_after(value, Utc::now()))
+                    .unwrap_or(opts.rate_limit_window)
+                    .min(opts.retry_after_max);
+                Failure::RateLimited(
+                    UpstreamError::RateLimited {
+                        path,
+                        message,
+                        retry_after: wait,
+                    },
+                    wait,
+                )
+            }
+            code @ (500..=599 | 408) => Failure::Retriable(
+                UpstreamError::Server {
+                    status: code,
+                    path,
+                    message,
+                },
+                "5xx",
+            ),
+            code => Failure::Final(UpstreamError::UnexpectedStatus {
+                status: code,
+                path,
+                message,
+            }),
+        }
+    }
+
+    /// Maps a reqwest error (no URL, no headers in the text) to a retriable failure.
+    fn transport_failure(&self, call: &Call, err: &reqwest::Error) -> Failure {
+        let path = call.path.clone();
+        if err.is_timeout() {
+            let after = self.inner.opts.timeout;
+            return Failure::Retriable(UpstreamError::Timeout { path, after }, "timeout");
+        }
+        let root = root_cause(err);
+        if err.is_body() || err.is_decode() {
+            let reason = format!("the body could not be read: {root}");
+            return Failure::Retriable(UpstreamError::InvalidResponse { path, reason }, "body");
+        }
+        let what = if err.is_connect() {
+            "connecting failed"
+        } else {
+            "sending the request failed"
+        };
+        let reason = format!("{what}: {root}");
+        Failure::Retriable(UpstreamError::Transport { path, reason }, "connect")
+    }
+
+    /// Removes the token from upstream-provided text, in case the upstream echoes it
+    /// (tokens shorter than `MIN_SCRUBBED_TOKEN_CHARS` would mangle ordinary words).
+    fn scrub(&self, text: &str) -> String {
+        let token = self.inner.token.expose();
+        if token.len() < MIN_SCRUBBED_TOKEN_CHARS || !text.contains(token) {
+            return text.to_owned();
+        }
+        text.replace(token, "***")
+    }
+}
+
+/// The innermost error of a reqwest error's source chain, as text.
+fn root_cause(err: &reqwest::Error) -> String {
+    let mut cause: &dyn std::error::Error = err;
+    while let Some(source) = cause.source() {
+        cause = source;
+    }
+    one_line(&cause.to_string())
+}
+
+/// The parts of an upstream error body.
+struct ErrorBody {
+    /// `message`, or a body excerpt, or the status reason.
+    message: String,
+    /// `errors` of a validation body.
+    errors: BTreeMap<String, Vec<String>>,
+}
+
+/// Reads `message` and `errors` from an error body, tolerating anything.
+fn parse_error_body(status: StatusCode, body: &[u8]) -> ErrorBody {
+    #[derive(Deserialize)]
+    struct Wire {
+        #[serde(default)]
+        message: Option<serde_json::Value>,
+        #[serde(default)]
+        errors: Option<serde_json::Value>,
+    }
+    let fallback = || {
+        let text = String::from_utf8_lossy(body);
+        let text = one_line(&text);
+        if text.is_empty() {
+            status
+                .canonical_reason()
+                .unwrap_or("no message")
+                .to_lowercase()
+        } else {
+            text
+        }
+    };
+    let Ok(wire) = serde_json::from_slice::<Wire>(body) else {
+        return ErrorBody {
+            message: fallback(),
+            errors: BTreeMap::new(),
+        };
+    };
+    let message = match wire.message {
+        Some(serde_json::Value::String(text)) if !text.trim().is_empty() => one_line(&text),
+        Some(serde_json::Value::Null) | None => fallback(),
+        Some(other) => one_line(&other.to_string()),
+    };
+    let errors = match wire.errors {
+        Some(serde_json::Value::Object(fields)) => fields
+            .into_iter()
+            .map(|(field, messages)| (field, value_strings(messages)))
+            .collect(),
+        _ => BTreeMap::new(),
+    };
+    ErrorBody { message, errors }
+}
+
+/// A JSON value as a list of one-line strings (arrays item by item).
+fn value_strings(value: serde_json::Value) -> Vec<String> {
+    match value {
+        serde_json::Value::Array(items) => items.into_iter().flat_map(value_strings).collect(),
+        serde_json::Value::String(text) => vec![one_line(&text)],
+        serde_json::Value::Null => Vec::new(),
+        other => vec![one_line(&other.to_string())],
+    }
+}
+
+/// Collapses whitespace to single spaces and cuts at `MAX_MESSAGE_CHARS` characters.
+fn one_line(text: &str) -> String {
+    let mut out = String::new();
+    for (i, word) in text.split_whitespace().enumerate() {
+        if i > 0 {
+            out.push(' ');
+        }
+        out.push_str(word);
+    }
+    if out.chars().count() > MAX_MESSAGE_CHARS {
+        out = out.chars().take(MAX_MESSAGE_CHARS).collect();
+        out.push('…');
+    }
+    out
+}
+
+/// The wait a `Retry-After` value asks for: delay-seconds or an HTTP date (a past date is zero).
+pub fn parse_retry_after(value: &str, now: DateTime<Utc>) -> Option<Duration> {
+    let value = value.trim();
+    if value.is_empty() {
+        return None;
+    }
+    if value.bytes().all(|b| b.is_ascii_digit()) {
+        return Some(Duration::from_secs(
+            value.parse::<u64>().unwrap_or(u64::MAX),
+        ));
+    }
+    if let Ok(seconds) = value.parse::<f64>() {
+        // Not RFC 9110, but some servers send fractions; a negative or NaN value is unusable.
+        return (seconds.is_finite() && seconds >= 0.0)
+            .then(|| Duration::try_from_secs_f64(seconds).unwrap_or(Duration::MAX));
+    }
+    let at = parse_http_date(value)?;
+    Some((at - now).to_std().unwrap_or(Duration::ZERO))
+}
+
+/// Parses the three HTTP-date forms of RFC 9110 (IMF-fixdate, RFC 850, asctime).
+fn parse_http_date(value: &str) -> Option<DateTime<Utc>> {
+    if let Ok(at) = DateTime::parse_from_rfc2822(value) {
+        return Some(at.with_timezone(&Utc));
+    }
+    ["%A, %d-%b-%y %H:%M:%S GMT", "%a %b %e %H:%M:%S %Y"]
+        .iter()
+        .find_map(|format| NaiveDateTime::parse_from_str(value, format).ok())
+        .map(|naive| naive.and_utc())
+}
+
+/// Backoff before attempt `attempt + 1`: `initial * 2^(attempt-1)` capped at `max`, jittered into its upper half by `unit` in [0, 1).
+pub fn backoff_delay(attempt: u32, initial: Duration, max: Duration, unit: f64) -> Duration {
+    let exponent = attempt.saturating_sub(1).min(31);
+    let base = initial.saturating_mul(1u32 << exponent).min(max);
+    let unit = if unit.is_finite() {
+        unit.clamp(0.0, 1.0)
+    } else {
+        0.0
+    };
+    base / 2 + base.mul_f64(unit / 2.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+
+    fn client(token: &str) -> UpstreamClient {
+        UpstreamClient::new(
+            ClientOptions::default(),
+            SecretToken::new(token),
+            Arc::new(RateBudget::new(0)),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn secret_token_prints_as_stars_everywhere() {
+        let token = SecretToken::new("s3cr3t-value");
+        assert_eq!(format!("{token:?}"), "***");
+        assert_eq!(format!("{token}"), "***");
+        assert_eq!(token.expose(), "s3cr3t-value");
+        assert_eq!(token.fingerprint().len(), 8);
+        let debug = format!("{:?}", client("s3cr3t-value"));
+        assert!(!debug.contains("s3cr3t"), "{debug}");
+    }
+
+    #[test]
+    fn retry_after_accepts_seconds_and_every_http_date_form() {
+        let now = Utc.with_ymd_and_hms(1994, 11, 6, 8, 49, 0).unwrap();
+        assert_eq!(parse_retry_after("7", now), Some(Duration::from_secs(7)));
+        assert_eq!(parse_retry_after(" 0 ", now), Some(Duration::ZERO));
+        assert_eq!(
+            parse_retry_after("1.5", now),
+            Some(Duration::from_millis(1500))
+        );
+        for date in [
+            "Sun, 06 Nov 1994 08:49:37 GMT",
+            "Sunday, 06-Nov-94 08:49:37 GMT",
+            "Sun Nov  6 08:49:37 1994",
+        ] {
+            assert_eq!(
+                parse_retry_after(date, now),
+                Some(Duration::from_secs(37)),
+                "{date}"
+            );
+        }
+        assert_eq!(
+            parse_retry_after("Sun, 06 Nov 1994 08:00:00 GMT", now),
+            Some(Duration::ZERO)
+        );
+        assert_eq!(parse_retry_after("-3", now), None);
+        assert_eq!(parse_retry_after("soon", now), None);
+        assert_eq!(parse_retry_after("", now), None);
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap_and_jitters_within_the_upper_half() {
+        let initial = Duration::from_millis(500);
+        let max = Duration::from_secs(30);
+        assert_eq!(
+            backoff_delay(1, initial, max, 1.0),
+            Duration::from_millis(500)
+        );
+        assert_eq!(
+            backoff_delay(1, initial, max, 0.0),
+            Duration::from_millis(250)
+        );
+        assert_eq!(backoff_delay(3, initial, max, 1.0), Duration::from_secs(2));
+        assert_eq!(backoff_delay(10, initial, max, 1.0), max);
+        assert_eq!(
+            backoff_delay(u32::MAX, initial, max, 0.5),
+            Duration::from_millis(22_500)
+        );
+        assert_eq!(
+            backoff_delay(2, initial, max, f64::NAN),
+            Duration::from_millis(500)
+        );
+    }
+
+    #[test]
+    fn error_bodies_yield_message_and_field_errors_whatever_their_shape() {
+        let body = br#"{"message":"The given data was invalid.","errors":{"voucher_id":["must be an integer"],"amount":"required"}}"#;
+        let parsed = parse_error_body(StatusCode::UNPROCESSABLE_ENTITY, body);
+        assert_eq!(parsed.message, "The given data was invalid.");
+        assert_eq!(parsed.errors["voucher_id"], vec!["must be an integer"]);
+        assert_eq!(parsed.errors["amount"], vec!["required"]);
+
+        let html = parse_error_body(StatusCode::BAD_GATEWAY, b"<html>\n bad\tgateway </html>");
+        assert_eq!(html.message, "<html> bad gateway </html>");
+        let empty = parse_error_body(StatusCode::FORBIDDEN, b"");
+        assert_eq!(empty.message, "forbidden");
+        let long = "x".repeat(1000);
+        let cut = parse_error_body(StatusCode::NOT_FOUND, long.as_bytes());
+        assert_eq!(cut.message.chars().count(), MAX_MESSAGE_CHARS + 1);
+    }
+
+    #[test]
+    fn endpoint_keeps_the_base_path_and_reports_the_relative_one() {
+        let c = client("t");
+        let (url, path) = c.endpoint(&["tenants", "3", "catalog", "vouchers"]);
+        assert_eq!(
+            url.as_str(),
+            "http://127.0.0.1:8080/api/external/v1/tenants/3/catalog/vouchers"
+        );
+        assert_eq!(path, "/tenants/3/catalog/vouchers");
+    }
+
+    #[test]
+    fn bad_options_and_tokens_are_refused_with_the_cause() {
+        let budget = Arc::new(RateBudget::new(0));
+        let opts = ClientOptions {
+            base_url: Url::parse("ftp://example.com/api").unwrap(),
+            ..ClientOptions::default()
+        };
+        let err = UpstreamClient::new(opts, SecretToken::new("t"), budget.clone()).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid upstream client configuration: base_url scheme `ftp` is not supported: valid options are http, https"
+        );
+        let err = UpstreamClient::new(
+            ClientOptions::default(),
+            SecretToken::new("bad\ntoken"),
+            budget.clone(),
+        )
+        .unwrap_err();
+        assert!(!err.to_string().contains("bad"), "{err}");
+        let with_credentials = ClientOptions {
+            base_url: Url::parse("https://user:pw@example.com/api").unwrap(),
+            ..ClientOptions::default()
+        };
+        let err = UpstreamClient::new(with_credentials, SecretToken::new("t"), budget.clone())
+            .unwrap_err();
+        assert!(!err.to_string().contains("pw"), "{err}");
+        let err = UpstreamClient::new(ClientOptions::default(), SecretToken::new(" "), budget)
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid upstream client configuration: the upstream token is empty"
+        );
+    }
+
+    #[test]
+    fn upstream_text_that_echoes_the_token_is_scrubbed() {
+        let c = client("tok-12345");
+        assert_eq!(c.scrub("bad token tok-12345 given"), "bad token *** given");
+        assert_eq!(client("t").scrub("text"), "text");
+    }
+}

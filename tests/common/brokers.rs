@@ -1,0 +1,356 @@
+//! Real brokers for the sink tests and benches: a `nats-server -js` and a
+//! tansu Kafka broker, each started on a free port with its own store, plus
+//! a Kafka read-back helper and an event factory.
+//!
+//! Include with `#[path = "common/brokers.rs"] mod brokers;`.
+#![allow(dead_code)]
+
+use std::fs::OpenOptions;
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{BorrowedMessage, Headers};
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use serde_json::value::RawValue;
+use voucher_cdc::event::{record_event, Event, Op, RecordChange};
+use voucher_cdc::stream::StreamKey;
+
+/// A port nothing listens on right now (bound to port 0, then released).
+pub fn free_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().port()
+}
+
+/// Returns `Some(path)` when `path` exists; otherwise reports the skip, or
+/// panics when env `CI` is set (a missing broker must fail CI, not pass it).
+fn require_binary(what: &str, path: Option<PathBuf>, how_to_get: &str) -> Option<PathBuf> {
+    match path {
+        Some(p) if p.is_file() => Some(p),
+        other => {
+            let message = format!(
+                "{what} not found (looked at {}): {how_to_get}",
+                other
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_else(|| "PATH".to_string())
+            );
+            if std::env::var_os("CI").is_some() {
+                panic!("{message}");
+            }
+            eprintln!("SKIPPED: {message}");
+            None
+        }
+    }
+}
+
+fn on_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+}
+
+fn wait_until_listening(port: u16, child: &mut Child, log: &Path, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if let Ok(Some(status)) = child.try_wait() {
+            let log_text = std::fs::read_to_string(log).unwrap_or_default();
+            panic!("{what} exited with {status} before listening on {port}:\n{log_text}");
+        }
+        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log_text = std::fs::read_to_string(log).unwrap_or_default();
+    panic!("{what} did not listen on {port} within 20s:\n{log_text}");
+}
+
+fn log_file(path: &Path) -> (Stdio, Stdio) {
+    let file = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .unwrap();
+    (file.try_clone().unwrap().into(), file.into())
+}
+
+/// A `nats-server -js` process owned by a test: its own port and store dir.
+pub struct NatsServer {
+    binary: PathBuf,
+    port: u16,
+    store: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+/// Starts `nats-server -js` on a free port with a temporary store; `None` when
+/// the binary is missing outside CI (env `NATS_SERVER_BIN` overrides the PATH lookup).
+pub fn spawn_nats() -> Option<NatsServer> {
+    let configured = std::env::var_os("NATS_SERVER_BIN").map(PathBuf::from);
+    let binary = require_binary(
+        "nats-server",
+        configured.or_else(|| on_path("nats-server")),
+        "install it (apt-get install nats-server) or set NATS_SERVER_BIN",
+    )?;
+    let mut server = NatsServer {
+        binary,
+        port: free_port(),
+        store: tempfile::tempdir().unwrap(),
+        child: None,
+    };
+    server.start();
+    Some(server)
+}
+
+impl NatsServer {
+    /// The client URL, e.g. `nats://127.0.0.1:41234`.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// The server's log (stdout and stderr of every run).
+    pub fn log_path(&self) -> PathBuf {
+        self.store.path().join("nats-server.log")
+    }
+
+    /// Kills the server at once (SIGKILL), keeping its store.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().ok();
+            child.wait().ok();
+        }
+    }
+
+    /// Starts the server again on the same port and store.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.start();
+    }
+
+    fn start(&mut self) {
+        let log = self.log_path();
+        let (stdout, stderr) = log_file(&log);
+        let store = self.store.path().join("jetstream");
+        let mut child = Command::new(&self.binary)
+            .args(["-js", "-a", "127.0.0.1", "-p"])
+            .arg(self.port.to_string())
+            .arg("-sd")
+            .arg(&store)
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(stderr)
+            .spawn()
+            .unwrap();
+        wait_until_listening(self.port, &mut child, &log, "nats-server");
+        self.child = Some(child);
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Where `scripts/install-tansu.sh` puts the tansu binary.
+pub fn tansu_cache_path() -> PathBuf {
+    let cache = std::env::var_os("VOUCHER_CDC_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("XDG_CACHE_HOME").map(|x| PathBuf::from(x).join("voucher-cdc"))
+        })
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/voucher-cdc")))
+        .unwrap_or_else(|| PathBuf::from("/root/.cache/voucher-cdc"));
+    cache.join("tansu-0.6.0/bin/tansu")
+}
+
+/// A tansu broker (in-memory storage) owned by a test.
+pub struct TansuBroker {
+    port: u16,
+    child: Child,
+    dir: tempfile::TempDir,
+}
+
+/// Starts tansu on a free port with memory storage; `None` when the binary
+/// is missing outside CI (env `TANSU_BIN`, else the install script's cache path).
+pub fn spawn_tansu() -> Option<TansuBroker> {
+    let configured = std::env::var_os("TANSU_BIN").map(PathBuf::from);
+    let binary = require_binary(
+        "tansu",
+        Some(configured.unwrap_or_else(tansu_cache_path)),
+        "run scripts/install-tansu.sh or set TANSU_BIN",
+    )?;
+    let port = free_port();
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("tansu.log");
+    let (stdout, stderr) = log_file(&log);
+    let url = format!("tcp://127.0.0.1:{port}");
+    let mut child = Command::new(binary)
+        .arg("broker")
+        .args(["--cluster-id", "voucher-cdc-test"])
+        .args(["--listener-url", &url])
+        .args(["--advertised-listener-url", &url])
+        .args(["--storage-engine", "memory://tansu/"])
+        .env_remove("LISTENER_URL")
+        .env_remove("ADVERTISED_LISTENER_URL")
+        .env_remove("STORAGE_ENGINE")
+        .stdin(Stdio::null())
+        .stdout(stdout)
+        .stderr(stderr)
+        .spawn()
+        .unwrap();
+    wait_until_listening(port, &mut child, &log, "tansu");
+    Some(TansuBroker { port, child, dir })
+}
+
+impl TansuBroker {
+    /// The bootstrap address, e.g. `127.0.0.1:41234`.
+    pub fn bootstrap(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// The broker's log.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("tansu.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for TansuBroker {
+    fn drop(&mut self) {
+        self.child.kill().ok();
+        self.child.wait().ok();
+    }
+}
+
+/// A record read back from Kafka.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Consumed {
+    /// Topic it was read from.
+    pub topic: String,
+    /// Partition it was read from.
+    pub partition: i32,
+    /// Offset in the partition.
+    pub offset: i64,
+    /// Record key.
+    pub key: Option<Vec<u8>>,
+    /// Record value (`None` for a tombstone).
+    pub payload: Option<Vec<u8>>,
+    /// Headers as (name, value).
+    pub headers: Vec<(String, Vec<u8>)>,
+}
+
+/// Reads every partition of `topics` from the beginning until `expected`
+/// records arrived or `timeout` passed; returns them in partition order.
+pub fn consume_all(
+    bootstrap: &str,
+    topics: &[&str],
+    partitions: i32,
+    expected: usize,
+    timeout: Duration,
+) -> Vec<Consumed> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", "voucher-cdc-test-reader")
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .unwrap();
+    let mut assignment = TopicPartitionList::new();
+    for topic in topics {
+        for partition in 0..partitions {
+            assignment
+                .add_partition_offset(topic, partition, Offset::Beginning)
+                .unwrap();
+        }
+    }
+    consumer.assign(&assignment).unwrap();
+    let deadline = Instant::now() + timeout;
+    let mut records = Vec::new();
+    while records.len() < expected && Instant::now() < deadline {
+        let Some(result) = consumer.poll(Duration::from_millis(100)) else {
+            continue;
+        };
+        if let Ok(message) = result {
+            records.push(consumed(&message));
+        }
+    }
+    // Anything beyond `expected` (duplicates) shows up within a short grace period.
+    let grace = Instant::now() + Duration::from_millis(300);
+    while Instant::now() < grace {
+        if let Some(Ok(message)) = consumer.poll(Duration::from_millis(50)) {
+            records.push(consumed(&message));
+        }
+    }
+    records
+        .sort_by(|a, b| (&a.topic, a.partition, a.offset).cmp(&(&b.topic, b.partition, b.offset)));
+    records
+}
+
+fn consumed(message: &BorrowedMessage<'_>) -> Consumed {
+    let headers = message
+        .headers()
+        .map(|h| {
+            h.iter()
+                .map(|header| {
+                    (
+                        header.key.to_string(),
+                        header.value.unwrap_or_default().to_vec(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Consumed {
+        topic: message.topic().to_string(),
+        partition: message.partition(),
+        offset: message.offset(),
+        key: message.key().map(<[u8]>::to_vec),
+        payload: message.payload().map(<[u8]>::to_vec),
+        headers,
+    }
+}
+
+/// `count` events of `stream` for record ids `first_id..`, each payload about
+/// `payload_bytes` long (at least the envelope's size).
+pub fn sample_events(
+    stream: StreamKey,
+    first_id: u64,
+    count: usize,
+    op: Op,
+    payload_bytes: usize,
+) -> Vec<Event> {
+    (0..count as u64)
+        .map(|i| sample_event(stream, first_id + i, op, payload_bytes))
+        .collect()
+}
+
+/// One event of `stream` for record `id` with a payload of about `payload_bytes`.
+pub fn sample_event(stream: StreamKey, id: u64, op: Op, payload_bytes: usize) -> Event {
+    let build = |filler: &str| {
+        let data = format!(r#"{{"id":{id},"name":"voucher {id}","filler":"{filler}"}}"#);
+        let raw = RawValue::from_string(data.clone()).unwrap();
+        let hash = blake3::hash(data.as_bytes()).to_hex().to_string();
+        let previous = (op != Op::Snapshot && op != Op::Create).then(|| "0".repeat(64));
+        record_event(&RecordChange {
+            stream,
+            record_id: &id.to_string(),
+            generation: 0,
+            op,
+            updated_at: Some("2024-05-01T10:00:00Z"),
+            content_hash: &hash,
+            previous_hash: previous.as_deref(),
+            replay_id: None,
+            data: &raw,
+            detected_at: Utc::now(),
+        })
+    };
+    let bare = build("");
+    let missing = payload_bytes.saturating_sub(bare.payload.len());
+    if missing == 0 {
+        return bare;
+    }
+    build(&"x".repeat(missing))
+}

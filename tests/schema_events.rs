@@ -1,0 +1,238 @@
+//! The event schema in `schemas/cloudevent.schema.json` (documented in
+//! docs/events.md) against events built by the real encoder in
+//! `voucher_cdc::event`: every type and op must validate, and envelopes with
+//! a broken attribute must not.
+
+#[path = "common/schema.rs"]
+mod schema;
+
+use chrono::{TimeZone, Utc};
+use serde_json::value::RawValue;
+use serde_json::{json, Value};
+use voucher_cdc::diff::{content_hash, IgnoreKeys};
+use voucher_cdc::event::{record_event, replay_event, Event, Op, RecordChange};
+use voucher_cdc::stream::{Resource, StreamKey};
+
+use schema::{assert_valid_event, event_schema, validate_event_json};
+
+const VOUCHER: &str = r#"{"id":123,"slug":"spa-day","title":"Spa day for two","summary":null,"description_html":"<p>Relax</p>","currency":"GBP","price":120.0,"sale_price":null,"from_price":null,"from_sale_price":null,"monetary_value":null,"is_monetary":false,"allow_part_redeem":false,"validity_type":"months","validity_months":12,"redemption_info":null,"sort_order":1,"image_url":null,"image_urls":[],"category_refs":[{"id":7,"slug":"spa","title":"Spa","sort_order":1}],"variant_summaries":[],"updated_at":"2025-03-01T10:00:00Z","x_unknown_field":{"kept":true}}"#;
+const CATEGORY: &str = r#"{"id":7,"slug":"spa","title":"Spa","sort_order":1,"updated_at":"2025-03-01T09:00:00Z","summary":"","description_html":"","image_url":"","products":[{"id":123,"slug":"spa-day","title":"Spa day for two","price":120.0,"sale_price":99.0,"sort_order":1}]}"#;
+
+/// The content hash the sweep computes (canonical JSON, `updated_at` ignored).
+fn hash_of(json: &str) -> String {
+    content_hash(json, &IgnoreKeys::new(["updated_at"]))
+        .unwrap()
+        .to_hex()
+}
+
+fn raw(json: &str) -> Box<RawValue> {
+    RawValue::from_string(json.to_string()).unwrap()
+}
+
+fn record_id_of(data: &str) -> String {
+    let value: Value = serde_json::from_str(data).unwrap();
+    value["id"].to_string()
+}
+
+/// Builds the event for `op` on `data` in `resource`, as the sweep would.
+fn change_event(resource: Resource, op: Op, data: &str, replay_id: Option<&str>) -> Event {
+    let stream = StreamKey::new(42, resource);
+    let record_id = record_id_of(data);
+    let delete_data = format!(r#"{{"id":{record_id}}}"#);
+    let (data, updated_at) = if op == Op::Delete {
+        (delete_data.as_str(), None)
+    } else {
+        (data, Some("2025-03-01T10:00:00Z"))
+    };
+    let content_hash = hash_of(data);
+    let previous_hash = hash_of(r#"{"id":0,"title":"the previous version"}"#);
+    let previous = matches!(op, Op::Update | Op::Delete).then_some(previous_hash.as_str());
+    let data = raw(data);
+    record_event(&RecordChange {
+        stream,
+        record_id: &record_id,
+        generation: 0,
+        op,
+        updated_at,
+        content_hash: &content_hash,
+        previous_hash: previous,
+        replay_id,
+        data: &data,
+        detected_at: Utc.with_ymd_and_hms(2025, 3, 1, 10, 0, 5).unwrap(),
+    })
+}
+
+/// Every record event the bridge can emit, for both resources.
+fn all_record_events() -> Vec<Event> {
+    let mut events = Vec::new();
+    for (resource, data) in [
+        (Resource::Vouchers, VOUCHER),
+        (Resource::Categories, CATEGORY),
+    ] {
+        events.push(change_event(resource, Op::Create, data, None));
+        events.push(change_event(resource, Op::Update, data, None));
+        events.push(change_event(resource, Op::Snapshot, data, None));
+        events.push(change_event(resource, Op::Snapshot, data, Some("r-01hq3")));
+        events.push(change_event(resource, Op::Delete, data, None));
+    }
+    events
+}
+
+/// The replay framing events, with and without `--since`.
+fn all_replay_events() -> Vec<Event> {
+    let now = Utc.with_ymd_and_hms(2025, 3, 1, 11, 0, 0).unwrap();
+    let mut events = Vec::new();
+    for resource in Resource::ALL {
+        let stream = StreamKey::new(42, resource);
+        events.push(replay_event(stream, "r-01hq3", None, false, 0, now));
+        events.push(replay_event(stream, "r-01hq3", None, true, 1250, now));
+        let since = Some("2025-02-01T00:00:00Z");
+        events.push(replay_event(stream, "r-01hq4", since, false, 0, now));
+        events.push(replay_event(stream, "r-01hq4", since, true, 3, now));
+    }
+    events
+}
+
+fn as_json(event: &Event) -> Value {
+    serde_json::from_slice(&event.payload).unwrap()
+}
+
+#[test]
+fn the_schema_is_a_valid_draft_2020_12_schema() {
+    jsonschema::meta::validate(event_schema()).unwrap();
+    assert_eq!(
+        event_schema()["$schema"],
+        "https://json-schema.org/draft/2020-12/schema"
+    );
+}
+
+#[test]
+fn every_record_event_type_and_op_matches_the_schema() {
+    let events = all_record_events();
+    let types: Vec<&str> = events.iter().map(|e| e.ty.as_str()).collect();
+    for ty in [
+        "voucher.updated",
+        "voucher.deleted",
+        "category.updated",
+        "category.deleted",
+    ] {
+        assert!(types.contains(&ty), "no {ty} event built");
+    }
+    for event in &events {
+        assert_valid_event(&event.payload);
+    }
+}
+
+#[test]
+fn replay_started_and_completed_events_match_the_schema() {
+    let events = all_replay_events();
+    assert!(events.iter().any(|e| e.ty.as_str() == "replay.started"));
+    assert!(events.iter().any(|e| e.ty.as_str() == "replay.completed"));
+    for event in &events {
+        assert_valid_event(&event.payload);
+        assert!(as_json(event).get("op").is_none());
+    }
+}
+
+#[test]
+fn update_and_delete_events_carry_the_previous_hash_and_snapshots_of_a_replay_its_id() {
+    let update = as_json(&change_event(Resource::Vouchers, Op::Update, VOUCHER, None));
+    assert_eq!(update["op"], "update");
+    assert_eq!(
+        update["previoushash"],
+        hash_of(r#"{"id":0,"title":"the previous version"}"#)
+    );
+    let delete = as_json(&change_event(Resource::Vouchers, Op::Delete, VOUCHER, None));
+    assert_eq!(delete["type"], "voucher.deleted");
+    assert_eq!(delete["data"], json!({"id": 123}));
+    let replayed = as_json(&change_event(
+        Resource::Categories,
+        Op::Snapshot,
+        CATEGORY,
+        Some("r-01hq3"),
+    ));
+    assert_eq!(replayed["replayid"], "r-01hq3");
+    assert_eq!(replayed["data"]["products"][0]["id"], 123);
+}
+
+/// Sets (`Some`) or removes (`None`) one attribute of a valid update event
+/// and checks that the schema rejects it with a violation naming `expected`.
+fn assert_rejected_with(attribute: &str, value: Option<Value>, expected: &str) {
+    let mut event = as_json(&change_event(Resource::Vouchers, Op::Update, VOUCHER, None));
+    let fields = event.as_object_mut().unwrap();
+    match value {
+        Some(value) => fields.insert(attribute.to_string(), value),
+        None => fields.remove(attribute),
+    };
+    let problems = validate_event_json(&event).expect_err(&format!(
+        "the schema accepted {attribute} = {:?}",
+        event[attribute]
+    ));
+    assert!(
+        problems.contains(expected),
+        "violation does not name {expected}: {problems}"
+    );
+}
+
+fn valid_id() -> String {
+    as_json(&change_event(Resource::Vouchers, Op::Update, VOUCHER, None))["id"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+#[test]
+fn ids_of_the_wrong_length_or_case_are_rejected() {
+    let id = valid_id();
+    let uppercase = id.to_uppercase().replace(char::is_numeric, "A");
+    for bad in [&id[..31], &format!("{id}0"), &uppercase, ""] {
+        assert_rejected_with("id", Some(json!(bad)), "/id");
+    }
+    assert_rejected_with("id", Some(json!(12345)), "/id");
+}
+
+#[test]
+fn unknown_types_and_ops_are_rejected() {
+    assert_rejected_with("type", Some(json!("voucher.created")), "/type");
+    assert_rejected_with("op", Some(json!("upsert")), "/op");
+    // An upsert type with the delete op, and a delete type with an upsert op.
+    assert_rejected_with("op", Some(json!("delete")), "/op");
+    assert_rejected_with("type", Some(json!("voucher.deleted")), "/op");
+}
+
+#[test]
+fn inconsistent_or_incomplete_envelopes_are_rejected() {
+    let cases = [
+        ("previoushash", None, "previoushash"),
+        ("contenthash", Some(json!("abc123")), "/contenthash"),
+        ("partitionkey", Some(json!("42:voucher")), "/partitionkey"),
+        (
+            "partitionkey",
+            Some(json!("42:category:123")),
+            "/partitionkey",
+        ),
+        (
+            "source",
+            Some(json!("/tenants/42/catalog/categories")),
+            "/source",
+        ),
+        ("specversion", Some(json!("0.3")), "/specversion"),
+        ("tenant", Some(json!("42")), "/tenant"),
+        ("data", None, "data"),
+        ("unexpected", Some(json!(1)), "unexpected"),
+    ];
+    for (attribute, value, expected) in cases {
+        assert_rejected_with(attribute, value, expected);
+    }
+}
+
+#[test]
+fn replay_framing_events_with_an_op_are_rejected() {
+    let now = Utc.with_ymd_and_hms(2025, 3, 1, 11, 0, 0).unwrap();
+    let stream = StreamKey::new(42, Resource::Vouchers);
+    let mut replay = as_json(&replay_event(stream, "r-1", None, false, 0, now));
+    validate_event_json(&replay).unwrap();
+    replay["op"] = json!("snapshot");
+    let problems = validate_event_json(&replay).unwrap_err();
+    assert!(problems.contains(r#""op""#), "{problems}");
+}

@@ -1,0 +1,350 @@
+//! The NATS JetStream sink against a real `nats-server -js` that each test
+//! starts on a free port with its own store: subjects, headers, bodies,
+//! deduplication by `Nats-Msg-Id`, stream conflicts, and a server killed in
+//! the middle of a batch.
+
+#[path = "common/brokers.rs"]
+mod brokers;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use async_nats::header::NATS_MESSAGE_ID;
+use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
+use futures::StreamExt;
+use voucher_cdc::event::{Event, Op};
+use voucher_cdc::sinks::nats::{NatsSink, NatsSinkConfig, NatsSinkError};
+use voucher_cdc::sinks::{Sink, SinkError};
+use voucher_cdc::stream::{Resource, StreamKey};
+
+use brokers::{sample_events, spawn_nats, NatsServer};
+
+fn sink_config(server: &NatsServer) -> NatsSinkConfig {
+    NatsSinkConfig {
+        url: server.url(),
+        publish_timeout: Duration::from_secs(1),
+        connect_timeout: Duration::from_secs(5),
+        ..NatsSinkConfig::default()
+    }
+}
+
+async fn jetstream(server: &NatsServer) -> async_nats::jetstream::Context {
+    let client = async_nats::connect(server.url()).await.unwrap();
+    async_nats::jetstream::new(client)
+}
+
+async fn stream_message_count(server: &NatsServer, stream: &str) -> u64 {
+    let js = jetstream(server).await;
+    let mut stream = js.get_stream(stream).await.unwrap();
+    stream.info().await.unwrap().state.messages
+}
+
+/// Every message of the stream as (subject, Nats-Msg-Id), in stream order.
+async fn stored_messages(server: &NatsServer, stream: &str) -> Vec<(String, String)> {
+    let js = jetstream(server).await;
+    let stream = js.get_stream(stream).await.unwrap();
+    let count = stream.cached_info().state.messages;
+    let first = stream.cached_info().state.first_sequence;
+    futures::stream::iter(first..first + count)
+        .map(|seq| {
+            let stream = &stream;
+            async move {
+                let message = stream.get_raw_message(seq).await.unwrap();
+                let id = message
+                    .headers
+                    .get(NATS_MESSAGE_ID)
+                    .map(|v| v.as_str().to_string())
+                    .unwrap_or_default();
+                (message.subject.to_string(), id)
+            }
+        })
+        .buffered(64)
+        .collect()
+        .await
+}
+
+fn ids(events: &[Event]) -> BTreeSet<String> {
+    events.iter().map(|e| e.id.clone()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_land_on_tenant_and_type_subjects_with_msg_id_content_type_and_the_event_body() {
+    let Some(server) = spawn_nats() else { return };
+    let sink = NatsSink::connect(&sink_config(&server)).await.unwrap();
+
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let mut subscription = client.subscribe("voucher_cdc.>").await.unwrap();
+    client.flush().await.unwrap();
+
+    let mut events = sample_events(
+        StreamKey::new(42, Resource::Vouchers),
+        1,
+        3,
+        Op::Update,
+        300,
+    );
+    events.extend(sample_events(
+        StreamKey::new(7, Resource::Categories),
+        9,
+        2,
+        Op::Delete,
+        0,
+    ));
+    let acks = sink.publish(&events).await;
+    assert!(acks.iter().all(Result::is_ok), "{acks:?}");
+
+    let mut received = Vec::new();
+    for _ in 0..events.len() {
+        let message = tokio::time::timeout(Duration::from_secs(5), subscription.next())
+            .await
+            .unwrap()
+            .unwrap();
+        received.push(message);
+    }
+    received.sort_by_key(|m| {
+        let headers = m.headers.as_ref().unwrap();
+        headers.get(NATS_MESSAGE_ID).unwrap().as_str().to_string()
+    });
+    let mut expected: Vec<&Event> = events.iter().collect();
+    expected.sort_by_key(|e| e.id.clone());
+    for (message, event) in received.iter().zip(expected) {
+        let headers = message.headers.as_ref().unwrap();
+        assert_eq!(headers.get(NATS_MESSAGE_ID).unwrap().as_str(), event.id);
+        assert_eq!(
+            headers.get("Content-Type").unwrap().as_str(),
+            "application/cloudevents+json"
+        );
+        assert_eq!(message.payload, event.payload);
+        let subject = message.subject.as_str();
+        if event.stream.tenant == 42 {
+            assert_eq!(subject, "voucher_cdc.42.voucher.updated");
+        } else {
+            assert_eq!(subject, "voucher_cdc.7.category.deleted");
+        }
+    }
+
+    // Read back from the stream itself: all stored, file storage, our window.
+    let stored = stored_messages(&server, "VOUCHER_CDC").await;
+    assert_eq!(stored.len(), events.len());
+    assert_eq!(
+        stored
+            .iter()
+            .map(|(_, id)| id.clone())
+            .collect::<BTreeSet<_>>(),
+        ids(&events)
+    );
+    let js = jetstream(&server).await;
+    let info = js.get_stream("VOUCHER_CDC").await.unwrap();
+    let config = &info.cached_info().config;
+    assert_eq!(config.subjects, vec!["voucher_cdc.>".to_string()]);
+    assert_eq!(config.storage, StorageType::File);
+    assert_eq!(config.duplicate_window, Duration::from_secs(600));
+    assert!(sink.health().await.is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn republishing_the_same_events_is_acked_and_deduplicated_by_msg_id() {
+    let Some(server) = spawn_nats() else { return };
+    let sink = NatsSink::connect(&sink_config(&server)).await.unwrap();
+    let events = sample_events(
+        StreamKey::new(1, Resource::Vouchers),
+        1,
+        50,
+        Op::Snapshot,
+        200,
+    );
+
+    assert!(sink.publish(&events).await.iter().all(Result::is_ok));
+    assert_eq!(stream_message_count(&server, "VOUCHER_CDC").await, 50);
+
+    // A crash-and-retry re-publishes the same ids: acked (duplicate), not stored again.
+    let again = sink.publish(&events).await;
+    assert!(again.iter().all(Result::is_ok), "{again:?}");
+    assert_eq!(stream_message_count(&server, "VOUCHER_CDC").await, 50);
+
+    let later = sample_events(
+        StreamKey::new(1, Resource::Vouchers),
+        51,
+        5,
+        Op::Create,
+        200,
+    );
+    assert!(sink.publish(&later).await.iter().all(Result::is_ok));
+    assert_eq!(stream_message_count(&server, "VOUCHER_CDC").await, 55);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_existing_stream_is_updated_in_place_keeping_operator_limits() {
+    let Some(server) = spawn_nats() else { return };
+    let js = jetstream(&server).await;
+    js.create_stream(StreamConfig {
+        name: "VOUCHER_CDC".to_string(),
+        subjects: vec!["legacy.>".to_string()],
+        max_age: Duration::from_secs(3600),
+        duplicate_window: Duration::from_secs(30),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+
+    let sink = NatsSink::connect(&sink_config(&server)).await.unwrap();
+    let info = js.get_stream("VOUCHER_CDC").await.unwrap();
+    let config = &info.cached_info().config;
+    assert_eq!(
+        config.subjects,
+        vec!["legacy.>".to_string(), "voucher_cdc.>".to_string()]
+    );
+    assert_eq!(config.max_age, Duration::from_secs(3600));
+    assert_eq!(config.duplicate_window, Duration::from_secs(600));
+    let events = sample_events(StreamKey::new(3, Resource::Vouchers), 1, 3, Op::Create, 0);
+    assert!(sink.publish(&events).await.iter().all(Result::is_ok));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conflicting_streams_are_reported_with_the_cause() {
+    let Some(server) = spawn_nats() else { return };
+    let js = jetstream(&server).await;
+    js.create_stream(StreamConfig {
+        name: "OTHER".to_string(),
+        subjects: vec!["voucher_cdc.>".to_string()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let err = NatsSink::connect(&sink_config(&server)).await.unwrap_err();
+    assert!(matches!(err, NatsSinkError::Stream { .. }), "{err}");
+    let text = err.to_string();
+    assert!(text.starts_with("nats stream `VOUCHER_CDC`:"), "{text}");
+    assert!(text.contains("overlap"), "{text}");
+    assert!(text.contains("OTHER"), "{text}");
+
+    js.create_stream(StreamConfig {
+        name: "IN_MEMORY".to_string(),
+        subjects: vec!["mem.>".to_string()],
+        storage: StorageType::Memory,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let config = NatsSinkConfig {
+        stream: "IN_MEMORY".to_string(),
+        subject_prefix: "mem".to_string(),
+        ..sink_config(&server)
+    };
+    let text = NatsSink::connect(&config).await.unwrap_err().to_string();
+    assert!(text.contains("memory storage"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn starting_without_a_reachable_server_fails_clearly_after_connect_timeout() {
+    let config = NatsSinkConfig {
+        url: format!("nats://127.0.0.1:{}", brokers::free_port()),
+        connect_timeout: Duration::from_secs(1),
+        ..NatsSinkConfig::default()
+    };
+    let started = std::time::Instant::now();
+    let err = NatsSink::connect(&config).await.unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let text = err.to_string();
+    assert!(
+        text.starts_with(&format!("nats: cannot connect to {}", config.url)),
+        "{text}"
+    );
+    assert!(text.contains("connect_timeout"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_killed_mid_batch_fails_publishes_as_retriable_and_a_retry_after_restart_loses_nothing(
+) {
+    let Some(mut server) = spawn_nats() else {
+        return;
+    };
+    let sink = std::sync::Arc::new(NatsSink::connect(&sink_config(&server)).await.unwrap());
+    let stream = StreamKey::new(5, Resource::Vouchers);
+    let batch = sample_events(stream, 1, 20_000, Op::Snapshot, 1024);
+
+    // Publish a large batch and kill the server once part of it is stored.
+    let publishing = {
+        let sink = sink.clone();
+        let batch = batch.clone();
+        tokio::spawn(async move { sink.publish(&batch).await })
+    };
+    let js = jetstream(&server).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let mut info = js.get_stream("VOUCHER_CDC").await.unwrap();
+        if info.info().await.unwrap().state.messages >= 500 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "nothing stored");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    server.kill();
+    let acks = publishing.await.unwrap();
+    let acked = acks.iter().filter(|a| a.is_ok()).count();
+    let failed: Vec<&SinkError> = acks.iter().filter_map(|a| a.as_ref().err()).collect();
+    eprintln!("killed mid-batch: {acked} acked, {} failed", failed.len());
+    assert!(acked >= 500, "acked {acked}");
+    assert!(
+        !failed.is_empty(),
+        "the kill came after the whole batch was acked"
+    );
+    assert!(failed.iter().all(|e| e.is_retriable()), "{:?}", failed[0]);
+
+    // While the server is down every publish fails as retriable.
+    let while_down = sample_events(stream, 30_001, 10, Op::Create, 1024);
+    let down_acks = sink.publish(&while_down).await;
+    assert!(
+        down_acks
+            .iter()
+            .all(|a| matches!(a, Err(SinkError::Retriable(_)))),
+        "{down_acks:?}"
+    );
+    assert!(sink.health().await.is_err());
+
+    // Back on the same port and store: retry what failed until it is acked.
+    server.restart();
+    let mut pending: Vec<Event> = batch
+        .iter()
+        .zip(&acks)
+        .filter(|(_, a)| a.is_err())
+        .map(|(e, _)| e.clone())
+        .chain(while_down.iter().cloned())
+        .collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !pending.is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} never acked",
+            pending.len()
+        );
+        let retry = sink.publish(&pending).await;
+        assert!(
+            retry.iter().flatten().count() + retry.iter().filter(|a| a.is_err()).count()
+                == pending.len()
+        );
+        assert!(retry
+            .iter()
+            .all(|a| a.as_ref().map_or_else(SinkError::is_retriable, |_| true)));
+        pending = pending
+            .into_iter()
+            .zip(retry)
+            .filter(|(_, a)| a.is_err())
+            .map(|(e, _)| e)
+            .collect();
+        if !pending.is_empty() {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    // Nothing lost, nothing stored twice.
+    let stored = stored_messages(&server, "VOUCHER_CDC").await;
+    let mut expected = ids(&batch);
+    expected.extend(ids(&while_down));
+    let stored_ids: BTreeSet<String> = stored.iter().map(|(_, id)| id.clone()).collect();
+    let lost = expected.difference(&stored_ids).count();
+    let foreign = stored_ids.difference(&expected).count();
+    assert_eq!((lost, foreign), (0, 0), "events lost / not ours");
+    assert_eq!(stored.len(), expected.len(), "some events are stored twice");
+    assert!(sink.health().await.is_ok());
+}

@@ -1,0 +1,683 @@
+//! The sweep against the in-process simulator over loopback HTTP, a real sled
+//! store in a temp dir, and the in-memory test sink with its fault modes.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use voucher_cdc::diff::{content_hash, IgnoreKeys};
+use voucher_cdc::simulator::{Simulator, SimulatorOptions};
+use voucher_cdc::sinks::testing::{FaultMode, TestSink};
+use voucher_cdc::sinks::Sink;
+use voucher_cdc::state::SledStore;
+use voucher_cdc::state::{Intent, RecordState, StateError, StateStore, StreamState, Tombstone};
+use voucher_cdc::stream::{Resource, StreamKey};
+use voucher_cdc::sweep::{schedule_replay, SweepError, SweepKind, SweepSettings, Sweeper};
+use voucher_cdc::upstream::client::{ClientOptions, SecretToken, UpstreamClient};
+use voucher_cdc::upstream::ratelimit::RateBudget;
+
+const V: Resource = Resource::Vouchers;
+const C: Resource = Resource::Categories;
+
+struct Harness {
+    sim: Arc<Simulator>,
+    dir: tempfile::TempDir,
+    store: Arc<dyn StateStore>,
+    sink: TestSink,
+    client: UpstreamClient,
+    settings: SweepSettings,
+}
+
+async fn spawn_harness(tenants: u64, vouchers: usize, categories: usize) -> Harness {
+    let sim = Simulator::start(SimulatorOptions {
+        tenants,
+        vouchers,
+        categories,
+        rate_limit: 0,
+        ..SimulatorOptions::default()
+    })
+    .await
+    .map(Arc::new)
+    .expect("simulator starts");
+    let dir = tempfile::tempdir().unwrap();
+    let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&state_path(dir.path())).unwrap());
+    let client = UpstreamClient::new(
+        ClientOptions {
+            base_url: sim.base_url().parse().unwrap(),
+            ..ClientOptions::default()
+        },
+        SecretToken::new(sim.token()),
+        Arc::new(RateBudget::new(0)),
+    )
+    .unwrap();
+    let settings = SweepSettings {
+        sink_backoff_initial: Duration::from_millis(5),
+        sink_backoff_max: Duration::from_millis(20),
+        ..SweepSettings::default()
+    };
+    Harness {
+        sim,
+        dir,
+        store,
+        sink: TestSink::new(),
+        client,
+        settings,
+    }
+}
+
+fn state_path(dir: &Path) -> PathBuf {
+    dir.join("state")
+}
+
+impl Harness {
+    fn sweeper(&self, stream: StreamKey) -> Sweeper {
+        self.sweeper_with(stream, self.store.clone())
+    }
+
+    fn sweeper_with(&self, stream: StreamKey, store: Arc<dyn StateStore>) -> Sweeper {
+        Sweeper {
+            stream,
+            client: self.client.clone(),
+            store,
+            sink: Arc::new(self.sink.clone()) as Arc<dyn Sink>,
+            settings: Arc::new(self.settings.clone()),
+            progress: None,
+            shutdown: tokio_util::sync::CancellationToken::new(),
+        }
+    }
+
+    async fn sweep(&self, tenant: u64, resource: Resource, kind: SweepKind) -> Vec<Value> {
+        self.sink.take();
+        self.sweeper(StreamKey::new(tenant, resource))
+            .run(kind)
+            .await
+            .expect("sweep succeeds");
+        self.sink.take().iter().map(json).collect()
+    }
+
+    /// Drops and reopens the sled store, as a restarted process would.
+    fn reopen(&mut self) {
+        let path = state_path(self.dir.path());
+        let placeholder: Arc<dyn StateStore> = Arc::new(SledStore::open_temporary().unwrap());
+        let old = std::mem::replace(&mut self.store, placeholder);
+        drop(old);
+        self.store = Arc::new(SledStore::open(&path).unwrap());
+    }
+
+    fn hash_of(&self, tenant: u64, resource: Resource, id: i64) -> String {
+        let raw = self.sim.record_json(tenant, resource, id, true).unwrap();
+        content_hash(&raw, &IgnoreKeys::new(["updated_at"]))
+            .unwrap()
+            .to_hex()
+    }
+}
+
+fn json(e: &voucher_cdc::event::Event) -> Value {
+    serde_json::from_slice(&e.payload).unwrap()
+}
+
+fn subjects(events: &[Value]) -> Vec<i64> {
+    let mut ids: Vec<i64> = events
+        .iter()
+        .map(|e| e["subject"].as_str().unwrap().parse().unwrap())
+        .collect();
+    ids.sort();
+    ids
+}
+
+#[tokio::test]
+async fn initial_sync_emits_every_record_exactly_once_as_snapshot_with_the_api_bytes() {
+    let h = spawn_harness(1, 120, 7).await;
+    for resource in [V, C] {
+        let stream = StreamKey::new(1, resource);
+        h.sink.take();
+        let report = h.sweeper(stream).run(SweepKind::Incremental).await.unwrap();
+        let events = h.sink.take();
+        let mut expected = h.sim.record_ids(1, resource);
+        expected.sort();
+        let values: Vec<Value> = events.iter().map(json).collect();
+        assert_eq!(subjects(&values), expected, "one event per record");
+        assert_eq!(report.snapshots as usize, expected.len());
+        for (e, v) in events.iter().zip(&values) {
+            assert_eq!(v["op"], "snapshot");
+            assert_eq!(v["specversion"], "1.0");
+            assert_eq!(v["tenant"], 1);
+            assert_eq!(
+                v["type"],
+                if resource == V {
+                    "voucher.updated"
+                } else {
+                    "category.updated"
+                }
+            );
+            let id: i64 = v["subject"].as_str().unwrap().parse().unwrap();
+            // `data` is byte-for-byte the record the API returned.
+            let raw = h.sim.record_json(1, resource, id, true).unwrap();
+            let payload = std::str::from_utf8(&e.payload).unwrap();
+            assert!(
+                payload.contains(&format!("\"data\":{raw}")),
+                "data of {id} is not the API's bytes"
+            );
+            assert_eq!(v["contenthash"], h.hash_of(1, resource, id));
+            assert!(v.get("previoushash").is_none());
+            assert_eq!(v["id"].as_str().unwrap().len(), 32);
+            assert_eq!(v["partitionkey"], format!("1:{}:{id}", resource.singular()));
+        }
+        let state = h.store.load_stream(stream).unwrap();
+        assert!(state.watermark.is_some());
+        assert_eq!(state.records_known as usize, expected.len());
+    }
+}
+
+#[tokio::test]
+async fn a_second_sweep_with_no_upstream_change_emits_nothing() {
+    let h = spawn_harness(1, 80, 3).await;
+    assert_eq!(h.sweep(1, V, SweepKind::Incremental).await.len(), 80);
+    assert!(h.sweep(1, V, SweepKind::Incremental).await.is_empty());
+    assert!(h.sweep(1, V, SweepKind::Full).await.is_empty());
+}
+
+#[tokio::test]
+async fn creates_updates_and_touches_give_exactly_the_right_events() {
+    let h = spawn_harness(1, 60, 3).await;
+    let first = h.sweep(1, V, SweepKind::Incremental).await;
+    let hash_before: HashMap<String, String> = first
+        .iter()
+        .map(|e| {
+            (
+                e["subject"].as_str().unwrap().to_string(),
+                e["contenthash"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let ids = h.sim.record_ids(1, V);
+    let created = h.sim.create(1, V);
+    assert!(h.sim.update(1, V, ids[3]));
+    assert!(h.sim.touch(1, V, ids[7]));
+
+    let events = h.sweep(1, V, SweepKind::Incremental).await;
+    assert_eq!(subjects(&events), {
+        let mut v = vec![created, ids[3]];
+        v.sort();
+        v
+    });
+    for e in &events {
+        let id: i64 = e["subject"].as_str().unwrap().parse().unwrap();
+        if id == created {
+            assert_eq!(e["op"], "create");
+            assert!(e.get("previoushash").is_none());
+        } else {
+            assert_eq!(e["op"], "update");
+            assert_eq!(e["previoushash"], hash_before[&id.to_string()].as_str());
+            assert_eq!(e["contenthash"], h.hash_of(1, V, id));
+            assert_ne!(e["contenthash"], e["previoushash"]);
+        }
+    }
+    // Nothing further once committed.
+    assert!(h.sweep(1, V, SweepKind::Incremental).await.is_empty());
+}
+
+#[tokio::test]
+async fn deletes_are_emitted_by_the_full_sweep_only_with_the_last_hash() {
+    let h = spawn_harness(1, 60, 3).await;
+    let first = h.sweep(1, V, SweepKind::Incremental).await;
+    let ids = h.sim.record_ids(1, V);
+    let gone = ids[10];
+    let last_hash = first
+        .iter()
+        .find(|e| e["subject"] == gone.to_string())
+        .unwrap()["contenthash"]
+        .clone();
+    assert!(h.sim.delete(1, V, gone));
+
+    assert!(h.sweep(1, V, SweepKind::Incremental).await.is_empty());
+    let events = h.sweep(1, V, SweepKind::Full).await;
+    assert_eq!(events.len(), 1);
+    let e = &events[0];
+    assert_eq!(e["type"], "voucher.deleted");
+    assert_eq!(e["op"], "delete");
+    assert_eq!(e["subject"], gone.to_string());
+    assert_eq!(e["previoushash"], last_hash);
+    assert_eq!(e["data"], serde_json::json!({ "id": gone }));
+    // Deleted once: the next full sweep is quiet.
+    assert!(h.sweep(1, V, SweepKind::Full).await.is_empty());
+    assert_eq!(
+        h.store
+            .load_stream(StreamKey::new(1, V))
+            .unwrap()
+            .records_known,
+        59
+    );
+}
+
+#[tokio::test]
+async fn a_full_sweep_refuses_to_delete_more_than_the_configured_fraction() {
+    let h = spawn_harness(1, 40, 3).await;
+    let stream = StreamKey::new(1, V);
+    h.sweep(1, V, SweepKind::Incremental).await;
+    let watermark = h.store.load_stream(stream).unwrap().watermark;
+    for id in h.sim.record_ids(1, V).into_iter().take(30) {
+        h.sim.delete(1, V, id);
+    }
+    h.sink.take();
+    let err = h.sweeper(stream).run(SweepKind::Full).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            SweepError::DeleteGuard {
+                would_delete: 30,
+                known: 40,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(h.sink.take().is_empty(), "no delete was published");
+    let state = h.store.load_stream(stream).unwrap();
+    assert!(state
+        .last_error
+        .unwrap()
+        .contains("refused to delete 30 of 40"));
+    assert_eq!(
+        state.watermark, watermark,
+        "a failed sweep never moves the watermark"
+    );
+    assert_eq!(h.store.record_count(stream).unwrap(), 40);
+}
+
+#[tokio::test]
+async fn records_sharing_a_timestamp_across_page_boundaries_are_all_seen() {
+    let h = spawn_harness(1, 130, 2).await;
+    h.sweep(1, V, SweepKind::Incremental).await;
+    let tie: DateTime<Utc> = Utc::now() + chrono::Duration::seconds(5);
+    let ids = h.sim.record_ids(1, V);
+    for id in ids.iter().take(120) {
+        h.sim.update(1, V, *id);
+        h.sim.set_updated_at(1, V, *id, Some(tie));
+    }
+    let events = h.sweep(1, V, SweepKind::Incremental).await;
+    let mut expected: Vec<i64> = ids.iter().take(120).copied().collect();
+    expected.sort();
+    assert_eq!(subjects(&events), expected);
+    assert!(events.iter().all(|e| e["op"] == "update"));
+}
+
+#[tokio::test]
+async fn a_late_commit_inside_the_lookback_is_caught_and_one_outside_waits_for_the_full_sweep() {
+    let mut h = spawn_harness(1, 50, 2).await;
+    h.settings.lookback = Duration::from_secs(60);
+    let stream = StreamKey::new(1, V);
+    h.sweep(1, V, SweepKind::Incremental).await;
+    let watermark = h.store.load_stream(stream).unwrap().watermark.unwrap();
+    let ids = h.sim.record_ids(1, V);
+    // Committed upstream after our sweep, but stamped before its server_time.
+    h.sim.update(1, V, ids[1]);
+    h.sim.set_updated_at(
+        1,
+        V,
+        ids[1],
+        Some(watermark - chrono::Duration::seconds(30)),
+    );
+    h.sim.update(1, V, ids[2]);
+    h.sim.set_updated_at(
+        1,
+        V,
+        ids[2],
+        Some(watermark - chrono::Duration::seconds(600)),
+    );
+
+    let events = h.sweep(1, V, SweepKind::Incremental).await;
+    assert_eq!(subjects(&events), vec![ids[1]]);
+    let events = h.sweep(1, V, SweepKind::Full).await;
+    assert_eq!(subjects(&events), vec![ids[2]]);
+    assert_eq!(events[0]["op"], "update");
+}
+
+#[tokio::test]
+async fn a_record_updated_while_the_sweep_pages_ends_with_its_latest_version_committed() {
+    let h = spawn_harness(1, 150, 2).await;
+    let stream = StreamKey::new(1, V);
+    h.sweep(1, V, SweepKind::Incremental).await;
+    let ids = h.sim.record_ids(1, V);
+    // Touch everything so the incremental sweep pages through 150 records.
+    for id in &ids {
+        h.sim.touch(1, V, *id);
+    }
+    let target = ids[0];
+    let sim = h.sim.clone();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let mut sweeper = h.sweeper(stream);
+    {
+        let sim = sim.clone();
+        let calls = calls.clone();
+        sweeper.progress = Some(Arc::new(move |_, _, _| {
+            if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                sim.update(1, V, target);
+            }
+        }));
+    }
+    h.sink.take();
+    sweeper.run(SweepKind::Incremental).await.unwrap();
+    let events: Vec<Value> = h.sink.take().iter().map(json).collect();
+    assert!(
+        events
+            .iter()
+            .any(|e| e["subject"] == target.to_string()
+                && e["contenthash"] == h.hash_of(1, V, target))
+    );
+    let rec = h.store.get_records(stream, &[target]).unwrap()[0].unwrap();
+    assert_eq!(rec.hash.to_hex(), h.hash_of(1, V, target));
+}
+
+#[tokio::test]
+async fn replay_re_emits_every_record_of_one_stream_and_nothing_of_the_others() {
+    let h = spawn_harness(2, 70, 5).await;
+    let streams = [
+        StreamKey::new(1, V),
+        StreamKey::new(1, C),
+        StreamKey::new(2, V),
+        StreamKey::new(2, C),
+    ];
+    for s in streams {
+        h.sweep(s.tenant, s.resource, SweepKind::Incremental).await;
+    }
+    let replay_id = schedule_replay(h.store.as_ref(), StreamKey::new(2, V), None).unwrap();
+    for s in streams {
+        let events = h.sweep(s.tenant, s.resource, SweepKind::Incremental).await;
+        if s != StreamKey::new(2, V) {
+            assert!(events.is_empty(), "{s} must be untouched by the replay");
+            continue;
+        }
+        assert_eq!(events.first().unwrap()["type"], "replay.started");
+        assert_eq!(events.last().unwrap()["type"], "replay.completed");
+        assert_eq!(events.last().unwrap()["data"]["records"], 70);
+        let records = &events[1..events.len() - 1];
+        let mut expected = h.sim.record_ids(2, V);
+        expected.sort();
+        assert_eq!(subjects(records), expected);
+        assert!(records
+            .iter()
+            .all(|e| e["op"] == "snapshot" && e["replayid"] == replay_id.as_str()));
+    }
+    let state = h.store.load_stream(StreamKey::new(2, V)).unwrap();
+    assert!(!state.replay.unwrap().pending);
+    // The replay is done: the next sweep is quiet again.
+    assert!(h.sweep(2, V, SweepKind::Incremental).await.is_empty());
+}
+
+#[tokio::test]
+async fn a_retriable_sink_outage_is_waited_out_without_committing() {
+    let h = spawn_harness(1, 60, 2).await;
+    let stream = StreamKey::new(1, V);
+    h.sink.set_mode(FaultMode::Down);
+    let sweeper = h.sweeper(stream);
+    let task = tokio::spawn(async move { sweeper.run(SweepKind::Incremental).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        h.store.record_count(stream).unwrap(),
+        0,
+        "nothing committed while down"
+    );
+    assert!(h.store.load_stream(stream).unwrap().watermark.is_none());
+    h.sink.set_mode(FaultMode::Normal);
+    let report = task.await.unwrap().unwrap();
+    assert_eq!(report.snapshots, 60);
+    assert_eq!(h.store.record_count(stream).unwrap(), 60);
+}
+
+/// A store that fails its n-th mutating call: a crash between two steps.
+struct CrashingStore {
+    inner: Arc<dyn StateStore>,
+    fail_at: usize,
+    calls: AtomicUsize,
+}
+
+impl CrashingStore {
+    fn step(&self, what: &str) -> Result<(), StateError> {
+        let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        if n == self.fail_at {
+            return Err(StateError::Io {
+                path: PathBuf::from("crash"),
+                source: std::io::Error::other(format!("injected crash before {what}")),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl StateStore for CrashingStore {
+    fn load_stream(&self, key: StreamKey) -> Result<StreamState, StateError> {
+        self.inner.load_stream(key)
+    }
+    fn save_stream(&self, key: StreamKey, state: &StreamState) -> Result<(), StateError> {
+        self.step("save_stream")?;
+        self.inner.save_stream(key, state)
+    }
+    fn streams(&self) -> Result<Vec<(StreamKey, StreamState)>, StateError> {
+        self.inner.streams()
+    }
+    fn get_records(
+        &self,
+        key: StreamKey,
+        ids: &[i64],
+    ) -> Result<Vec<Option<RecordState>>, StateError> {
+        self.inner.get_records(key, ids)
+    }
+    fn get_tombstones(
+        &self,
+        key: StreamKey,
+        ids: &[i64],
+    ) -> Result<Vec<Option<Tombstone>>, StateError> {
+        self.inner.get_tombstones(key, ids)
+    }
+    fn write_intents(&self, key: StreamKey, intents: &[(i64, Intent)]) -> Result<(), StateError> {
+        self.step("write_intents")?;
+        self.inner.write_intents(key, intents)
+    }
+    fn pending_intents(&self, key: StreamKey) -> Result<Vec<(i64, Intent)>, StateError> {
+        self.inner.pending_intents(key)
+    }
+    fn commit_page(
+        &self,
+        key: StreamKey,
+        commits: &[(i64, RecordState)],
+        seen: &[i64],
+        epoch: u64,
+    ) -> Result<(), StateError> {
+        self.step("commit_page")?;
+        self.inner.commit_page(key, commits, seen, epoch)
+    }
+    fn unseen_records(
+        &self,
+        key: StreamKey,
+        epoch: u64,
+    ) -> Result<Vec<(i64, RecordState)>, StateError> {
+        self.inner.unseen_records(key, epoch)
+    }
+    fn record_count(&self, key: StreamKey) -> Result<u64, StateError> {
+        self.inner.record_count(key)
+    }
+    fn commit_deletes(
+        &self,
+        key: StreamKey,
+        deletes: &[(i64, Tombstone)],
+    ) -> Result<(), StateError> {
+        self.step("commit_deletes")?;
+        self.inner.commit_deletes(key, deletes)
+    }
+    fn flush(&self) -> Result<(), StateError> {
+        self.inner.flush()
+    }
+}
+
+/// Asserts the no-loss invariant: every record's current version is in the
+/// store AND was acknowledged by the sink; every deleted record got a delete.
+fn assert_nothing_lost(h: &Harness, stream: StreamKey, acked: &[Value], deleted: &[i64]) {
+    let acked_hashes: HashSet<(String, String)> = acked
+        .iter()
+        .map(|e| {
+            (
+                e["subject"].as_str().unwrap().to_string(),
+                e["contenthash"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    for id in h.sim.record_ids(stream.tenant, stream.resource) {
+        let hash = h.hash_of(stream.tenant, stream.resource, id);
+        assert!(
+            acked_hashes.contains(&(id.to_string(), hash.clone())),
+            "record {id}: current version never acknowledged by the sink"
+        );
+        let stored = h.store.get_records(stream, &[id]).unwrap()[0];
+        assert_eq!(
+            stored.map(|r| r.hash.to_hex()),
+            Some(hash),
+            "record {id}: store"
+        );
+    }
+    for id in deleted {
+        assert!(
+            acked
+                .iter()
+                .any(|e| e["subject"] == id.to_string() && e["op"] == "delete"),
+            "record {id}: delete never acknowledged"
+        );
+        assert!(h.store.get_records(stream, &[*id]).unwrap()[0].is_none());
+    }
+}
+
+/// Same id, same change: every id acknowledged twice carries the same type,
+/// subject and content hash.
+fn assert_duplicates_share_ids(acked: &[Value]) {
+    let mut by_id: HashMap<String, (Value, Value, Value)> = HashMap::new();
+    for e in acked {
+        let key = (
+            e["type"].clone(),
+            e["subject"].clone(),
+            e["contenthash"].clone(),
+        );
+        if let Some(prev) = by_id.insert(e["id"].as_str().unwrap().to_string(), key.clone()) {
+            assert_eq!(prev, key, "one id, two different changes");
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_crash_at_every_store_step_never_loses_a_change_and_republishes_with_the_same_ids() {
+    // Reference run: how many mutating store calls a create+update+delete full sweep makes.
+    for fail_at in 1..=12 {
+        let mut h = spawn_harness(1, 120, 2).await;
+        let stream = StreamKey::new(1, V);
+        let mut acked = h.sweep(1, V, SweepKind::Incremental).await;
+        let ids = h.sim.record_ids(1, V);
+        h.sim.create(1, V);
+        h.sim.update(1, V, ids[5]);
+        h.sim.update_silently(1, V, ids[70]);
+        h.sim.delete(1, V, ids[9]);
+        let deleted = vec![ids[9]];
+
+        let crashing: Arc<dyn StateStore> = Arc::new(CrashingStore {
+            inner: h.store.clone(),
+            fail_at,
+            calls: AtomicUsize::new(0),
+        });
+        h.sink.take();
+        let crashed = h.sweeper_with(stream, crashing).run(SweepKind::Full).await;
+        acked.extend(h.sink.take().iter().map(json));
+        h.reopen();
+        acked.extend(h.sweep(1, V, SweepKind::Full).await);
+        // Whatever the first run did, the second one completes the job.
+        let rerun: Vec<Value> = h.sweep(1, V, SweepKind::Full).await;
+        acked.extend(rerun);
+        assert_nothing_lost(&h, stream, &acked, &deleted);
+        assert_duplicates_share_ids(&acked);
+        if crashed.is_ok() {
+            break; // fail_at is past the last mutating call
+        }
+    }
+}
+
+#[tokio::test]
+async fn dropping_the_sweep_at_every_publish_never_loses_a_change() {
+    for ack_before_hang in [0usize, 1, 30, 49, 50, 51, 99, 119] {
+        let mut h = spawn_harness(1, 120, 2).await;
+        let stream = StreamKey::new(1, V);
+        h.sink.set_mode(FaultMode::FailAfter(ack_before_hang));
+        let sweeper = h.sweeper(stream);
+        // The sink keeps failing, the sweep keeps retrying: the process dies.
+        let crashed = tokio::time::timeout(
+            Duration::from_millis(300),
+            sweeper.run(SweepKind::Incremental),
+        )
+        .await;
+        assert!(
+            crashed.is_err(),
+            "sweep must not finish while the sink fails"
+        );
+        drop(sweeper);
+        let mut acked: Vec<Value> = h.sink.take().iter().map(json).collect();
+        assert_eq!(acked.len(), ack_before_hang);
+        // Never a hash without an ack.
+        let committed = h.store.record_count(stream).unwrap() as usize;
+        assert!(
+            committed <= ack_before_hang,
+            "{committed} committed, {ack_before_hang} acked"
+        );
+
+        h.sink.set_mode(FaultMode::Normal);
+        h.reopen();
+        acked.extend(h.sweep(1, V, SweepKind::Incremental).await);
+        let quiet = h.sweep(1, V, SweepKind::Incremental).await;
+        assert!(quiet.is_empty(), "the recovery sweep committed everything");
+        assert_nothing_lost(&h, stream, &acked, &[]);
+        assert_duplicates_share_ids(&acked);
+        // The re-published first page carries the same ids as the first attempt.
+        let mut seen = HashMap::new();
+        for e in &acked {
+            let subject = e["subject"].as_str().unwrap().to_string();
+            let id = e["id"].as_str().unwrap().to_string();
+            if let Some(prev) = seen.insert(subject.clone(), id.clone()) {
+                assert_eq!(prev, id, "record {subject} re-published under a new id");
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_published_create_whose_commit_was_lost_is_deleted_when_the_record_vanishes() {
+    let mut h = spawn_harness(1, 20, 2).await;
+    let stream = StreamKey::new(1, V);
+    h.sweep(1, V, SweepKind::Incremental).await;
+    let created = h.sim.create(1, V);
+    // Crash after the ack but before the commit: write_intents is call 2, commit_page call 3.
+    let crashing: Arc<dyn StateStore> = Arc::new(CrashingStore {
+        inner: h.store.clone(),
+        fail_at: 3,
+        calls: AtomicUsize::new(0),
+    });
+    h.sink.take();
+    assert!(h
+        .sweeper_with(stream, crashing)
+        .run(SweepKind::Incremental)
+        .await
+        .is_err());
+    let acked: Vec<Value> = h.sink.take().iter().map(json).collect();
+    assert_eq!(
+        subjects(&acked),
+        vec![created],
+        "the create reached the sink"
+    );
+    h.reopen();
+    assert_eq!(h.store.pending_intents(stream).unwrap().len(), 1);
+    // The record disappears upstream before we ever commit it.
+    h.sim.delete(1, V, created);
+    let events = h.sweep(1, V, SweepKind::Full).await;
+    assert_eq!(subjects(&events), vec![created]);
+    assert_eq!(events[0]["op"], "delete");
+    assert_eq!(events[0]["previoushash"], acked[0]["contenthash"]);
+    assert!(h.store.pending_intents(stream).unwrap().is_empty());
+}
