@@ -1,6 +1,9 @@
 //! The sweep against the in-process simulator over loopback HTTP, a real sled
 //! store in a temp dir, and the in-memory test sink with its fault modes.
 
+#[path = "common/schema.rs"]
+mod schema;
+
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -116,7 +119,10 @@ impl Harness {
     }
 }
 
+/// Every event a test looks at is first validated against the published
+/// JSON Schema: real emitted events of every type and op.
 fn json(e: &voucher_cdc::event::Event) -> Value {
+    schema::assert_valid_event(&e.payload);
     serde_json::from_slice(&e.payload).unwrap()
 }
 
