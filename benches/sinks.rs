@@ -6,6 +6,7 @@
 //! Run: `cargo bench --bench sinks` (criterion prints `thrpt` in elements/s).
 
 #[path = "../tests/common/brokers.rs"]
+#[allow(dead_code)]
 mod brokers;
 
 use std::sync::atomic::{AtomicU64, Ordering};

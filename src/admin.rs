@@ -24,8 +24,8 @@ use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::Secret;
 use crate::scheduler::{ReplayError, StreamHandle};
+use crate::secret::Secret;
 use crate::sinks::Sink;
 use crate::state::{ReplayState, StateStore, StreamState};
 use crate::stream::{Resource, StreamKey, TenantId};

@@ -16,9 +16,10 @@ use chrono::{DateTime, Utc};
 use clap::{Parser, Subcommand};
 
 use crate::admin::{self, ReplayResponse, ScheduledReplay, StatusReport, StreamStatus};
-use crate::config::{self, Config, Secret};
+use crate::config::{self, Config};
 use crate::daemon::{self, Daemon};
 use crate::scheduler::StepOutcome;
+use crate::secret::Secret;
 use crate::simulator::SimulateArgs;
 use crate::state::{SledStore, StateError, StateStore};
 use crate::stream::{Resource, StreamKey, TenantId};

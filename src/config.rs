@@ -3,14 +3,13 @@
 //! validation pass that reports every problem as one line naming its key.
 
 use std::collections::BTreeSet;
-use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use figment::providers::{Env, Format, Toml};
 use figment::Figment;
-use serde::{Deserialize, Serialize, Serializer};
+use serde::{Deserialize, Serialize};
 
 use crate::shard::{Shard, ShardConfig};
 use crate::sinks::file::FileSinkConfig;
@@ -22,34 +21,7 @@ use crate::telemetry::LogFormat;
 /// Prefix of configuration environment variables (`VOUCHER_CDC_UPSTREAM__TOKEN`).
 pub const ENV_PREFIX: &str = "VOUCHER_CDC_";
 
-/// A secret string: never printed by Debug, Display or Serialize.
-#[derive(Clone, PartialEq, Eq, Deserialize)]
-#[serde(transparent)]
-pub struct Secret(String);
-
-impl Secret {
-    /// Wraps a secret value.
-    pub fn new(value: impl Into<String>) -> Self {
-        Self(value.into())
-    }
-
-    /// The secret itself; call only where it is handed to a protocol.
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("\"<redacted>\"")
-    }
-}
-
-impl Serialize for Secret {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_str("<redacted>")
-    }
-}
+pub use crate::secret::Secret;
 
 /// The whole configuration file.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -10,6 +10,7 @@ pub mod demo;
 pub mod diff;
 pub mod event;
 pub mod scheduler;
+pub mod secret;
 pub mod shard;
 pub mod simulator;
 pub mod sinks;

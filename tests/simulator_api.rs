@@ -863,6 +863,15 @@ async fn pushed_faults_are_consumed_in_order_by_the_next_matching_request() {
         log.iter().any(|e| e.status == 0),
         "the dropped request is logged with status 0"
     );
+    sim.push_fault(Fault::Status {
+        status: 101,
+        retry_after: None,
+    });
+    assert_eq!(
+        client.get(&url).send().await.unwrap().status(),
+        500,
+        "a 1xx fault becomes 500"
+    );
     sim.shutdown().await;
 }
 

@@ -4,6 +4,7 @@
 //! every failed one is reported retriable and succeeds on retry.
 
 #[path = "common/brokers.rs"]
+#[allow(dead_code)]
 mod brokers;
 
 use std::collections::BTreeMap;
@@ -17,7 +18,7 @@ use voucher_cdc::sinks::kafka::{KafkaSink, KafkaSinkConfig, KafkaSinkError};
 use voucher_cdc::sinks::{Ack, Sink, SinkError};
 use voucher_cdc::stream::{Resource, StreamKey};
 
-use brokers::{consume_all, sample_events, Consumed};
+use brokers::{consume_all, retry_until_acked, sample_events, Consumed};
 
 const VOUCHERS: StreamKey = StreamKey {
     tenant: 42,
@@ -229,8 +230,8 @@ async fn with_every_broker_down_publishes_fail_retriable_and_a_retry_after_recov
     for broker in 1..=3 {
         cluster.broker_up(broker).unwrap();
     }
-    let retry = sink.publish(&during).await;
-    assert!(all_ok(&retry), "{:?}", retry.iter().find(|a| a.is_err()));
+    // As the sweep does: retry what failed (each failure retriable) until acked.
+    retry_until_acked(&sink, during.clone(), Duration::from_secs(60)).await;
     assert!(sink.health().await.is_ok());
 
     let mut acked = before.clone();
@@ -275,8 +276,7 @@ async fn persistent_produce_errors_fail_as_retriable_and_the_retry_succeeds_once
     );
 
     cluster.clear_request_errors(RDKafkaApiKey::Produce);
-    let retry = sink.publish(&events).await;
-    assert!(all_ok(&retry), "{:?}", retry.iter().find(|a| a.is_err()));
+    retry_until_acked(&sink, events.clone(), Duration::from_secs(60)).await;
     let records = consume_all(
         &bootstrap,
         &["voucher_cdc.vouchers"],

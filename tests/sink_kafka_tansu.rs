@@ -7,6 +7,7 @@
 //! env `CI` is set, then it fails.
 
 #[path = "common/brokers.rs"]
+#[allow(dead_code)]
 mod brokers;
 
 use std::time::Duration;

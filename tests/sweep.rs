@@ -1,6 +1,9 @@
 //! The sweep against the in-process simulator over loopback HTTP, a real sled
 //! store in a temp dir, and the in-memory test sink with its fault modes.
 
+#[path = "common/schema.rs"]
+mod schema;
+
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -116,8 +119,16 @@ impl Harness {
     }
 }
 
+/// Every event a test looks at is first validated against the published
+/// JSON Schema: real emitted events of every type and op.
 fn json(e: &voucher_cdc::event::Event) -> Value {
+    schema::assert_valid_event(&e.payload);
     serde_json::from_slice(&e.payload).unwrap()
+}
+
+/// True when the event is about record `id` (`subject` is the id as a string).
+fn subject_is(event: &Value, id: i64) -> bool {
+    event["subject"].as_str() == Some(id.to_string().as_str())
 }
 
 fn subjects(events: &[Value]) -> Vec<i64> {
@@ -227,11 +238,7 @@ async fn deletes_are_emitted_by_the_full_sweep_only_with_the_last_hash() {
     let first = h.sweep(1, V, SweepKind::Incremental).await;
     let ids = h.sim.record_ids(1, V);
     let gone = ids[10];
-    let last_hash = first
-        .iter()
-        .find(|e| e["subject"] == gone.to_string())
-        .unwrap()["contenthash"]
-        .clone();
+    let last_hash = first.iter().find(|e| subject_is(e, gone)).unwrap()["contenthash"].clone();
     assert!(h.sim.delete(1, V, gone));
 
     assert!(h.sweep(1, V, SweepKind::Incremental).await.is_empty());
@@ -363,12 +370,9 @@ async fn a_record_updated_while_the_sweep_pages_ends_with_its_latest_version_com
     h.sink.take();
     sweeper.run(SweepKind::Incremental).await.unwrap();
     let events: Vec<Value> = h.sink.take().iter().map(json).collect();
-    assert!(
-        events
-            .iter()
-            .any(|e| e["subject"] == target.to_string()
-                && e["contenthash"] == h.hash_of(1, V, target))
-    );
+    assert!(events
+        .iter()
+        .any(|e| subject_is(e, target) && e["contenthash"] == h.hash_of(1, V, target)));
     let rec = h.store.get_records(stream, &[target]).unwrap()[0].unwrap();
     assert_eq!(rec.hash.to_hex(), h.hash_of(1, V, target));
 }
@@ -543,7 +547,7 @@ fn assert_nothing_lost(h: &Harness, stream: StreamKey, acked: &[Value], deleted:
         assert!(
             acked
                 .iter()
-                .any(|e| e["subject"] == id.to_string() && e["op"] == "delete"),
+                .any(|e| subject_is(e, *id) && e["op"] == "delete"),
             "record {id}: delete never acknowledged"
         );
         assert!(h.store.get_records(stream, &[*id]).unwrap()[0].is_none());

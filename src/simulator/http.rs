@@ -32,7 +32,7 @@ use super::redeem;
 use super::state::{token_fingerprint, Grant, RateDecision, SimState};
 use super::{Fault, Permission, RequestLogEntry, API_PREFIX, PAGE_SIZE};
 use crate::stream::{Resource, TenantId};
-use crate::upstream::model::{ts, MessageError, ValidationError};
+use crate::upstream::model::{ts, MessageError, Single, ValidationError};
 
 type AppState = Arc<SimState>;
 
@@ -256,10 +256,36 @@ fn validation(errors: FieldErrors) -> Response {
     )
 }
 
-fn validation_field(field: &str, text: String) -> Response {
+/// A failed API request, answered as a MessageError or a ValidationError.
+#[derive(Debug, thiserror::Error)]
+enum ApiError {
+    /// A MessageError with this status.
+    #[error("{1}")]
+    Message(StatusCode, String),
+    /// A 422 ValidationError.
+    #[error("request validation failed")]
+    Validation(FieldErrors),
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        match self {
+            ApiError::Message(status, text) => message(status, text),
+            ApiError::Validation(errors) => validation(errors),
+        }
+    }
+}
+
+/// A MessageError failure.
+fn fail(status: StatusCode, text: impl Into<String>) -> ApiError {
+    ApiError::Message(status, text.into())
+}
+
+/// A ValidationError failure on one field.
+fn invalid(field: &str, text: String) -> ApiError {
     let mut errors = FieldErrors::new();
     errors.insert(field.to_string(), vec![text]);
-    validation(errors)
+    ApiError::Validation(errors)
 }
 
 async fn not_found(method: Method, uri: axum::http::Uri) -> Response {
@@ -373,8 +399,11 @@ async fn guard(
                 status,
                 retry_after,
             }) => {
-                let code =
-                    StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+                // A 1xx cannot end an exchange and an invalid code cannot be sent: both become 500.
+                let code = StatusCode::from_u16(status)
+                    .ok()
+                    .filter(|code| code.as_u16() >= 200)
+                    .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
                 let mut response = message(code, format!("injected fault: status {status}"));
                 if let Some(value) = retry_after.and_then(|v| HeaderValue::from_str(&v).ok()) {
                     response.headers_mut().insert(header::RETRY_AFTER, value);
@@ -455,9 +484,9 @@ fn authorize(
     grant: &Grant,
     permission: Permission,
     tenant: &str,
-) -> Result<TenantId, Response> {
+) -> Result<TenantId, ApiError> {
     if grant.permissions & permission_bit(permission) == 0 {
-        return Err(message(
+        return Err(fail(
             StatusCode::FORBIDDEN,
             format!(
                 "forbidden: the token lacks the {} permission",
@@ -466,21 +495,21 @@ fn authorize(
         ));
     }
     let Ok(tenant_id) = tenant.parse::<TenantId>() else {
-        return Err(message(
+        return Err(fail(
             StatusCode::NOT_FOUND,
             format!("tenant `{tenant}` not found"),
         ));
     };
     if let Some(scope) = &grant.tenants {
         if !scope.contains(&tenant_id) {
-            return Err(message(
+            return Err(fail(
                 StatusCode::FORBIDDEN,
                 format!("forbidden: the token has no access to tenant {tenant_id}"),
             ));
         }
     }
     if state.tenant(tenant_id).is_none() {
-        return Err(message(
+        return Err(fail(
             StatusCode::NOT_FOUND,
             format!("tenant {tenant_id} not found"),
         ));
@@ -510,11 +539,11 @@ async fn list_handler(
     path: Result<Path<String>, PathRejection>,
     RawQuery(query): RawQuery,
 ) -> Response {
-    list(&state, &grant, resource, path, query).unwrap_or_else(|r| r)
+    list(&state, &grant, resource, path, query).unwrap_or_else(IntoResponse::into_response)
 }
 
-fn path_not_found(rejection: PathRejection) -> Response {
-    message(StatusCode::NOT_FOUND, format!("not found: {rejection}"))
+fn path_not_found(rejection: PathRejection) -> ApiError {
+    fail(StatusCode::NOT_FOUND, format!("not found: {rejection}"))
 }
 
 fn list(
@@ -523,10 +552,11 @@ fn list(
     resource: Resource,
     path: Result<Path<String>, PathRejection>,
     raw_query: Option<String>,
-) -> Result<Response, Response> {
+) -> Result<Response, ApiError> {
     let Path(tenant) = path.map_err(path_not_found)?;
     let tenant = authorize(state, grant, resource_permission(resource), &tenant)?;
-    let query = query::parse_list_query(resource, raw_query.as_deref()).map_err(validation)?;
+    let query =
+        query::parse_list_query(resource, raw_query.as_deref()).map_err(ApiError::Validation)?;
     let since = query.updated_since.map(|at| at.timestamp_micros());
     let fingerprint = query_fingerprint(tenant, resource.as_str(), since, query.include_mask);
     let after = match &query.cursor {
@@ -534,7 +564,7 @@ fn list(
             state
                 .cursors
                 .decode(cursor, fingerprint)
-                .map_err(|e| validation_field("cursor", e.to_string()))?,
+                .map_err(|e| invalid("cursor", e.to_string()))?,
         ),
         None => None,
     };
@@ -543,7 +573,7 @@ fn list(
     let (rows, more) = {
         let data = state
             .read_tenant(tenant)
-            .ok_or_else(|| message(StatusCode::NOT_FOUND, format!("tenant {tenant} not found")))?;
+            .ok_or_else(|| fail(StatusCode::NOT_FOUND, format!("tenant {tenant} not found")))?;
         data.page(resource, from, after, PAGE_SIZE, query.include_mask)
     };
     let next_cursor = match (more, rows.last()) {
@@ -613,7 +643,7 @@ async fn get_handler(
     path: Result<Path<(String, String)>, PathRejection>,
     RawQuery(query): RawQuery,
 ) -> Response {
-    get_one(&state, &grant, resource, path, query).unwrap_or_else(|r| r)
+    get_one(&state, &grant, resource, path, query).unwrap_or_else(IntoResponse::into_response)
 }
 
 fn get_one(
@@ -622,12 +652,12 @@ fn get_one(
     resource: Resource,
     path: Result<Path<(String, String)>, PathRejection>,
     raw_query: Option<String>,
-) -> Result<Response, Response> {
+) -> Result<Response, ApiError> {
     let Path((tenant, id)) = path.map_err(path_not_found)?;
     let tenant = authorize(state, grant, resource_permission(resource), &tenant)?;
-    query::parse_no_query(raw_query.as_deref()).map_err(validation)?;
+    query::parse_no_query(raw_query.as_deref()).map_err(ApiError::Validation)?;
     let not_found = || {
-        message(
+        fail(
             StatusCode::NOT_FOUND,
             format!(
                 "{} `{id}` not found in tenant {tenant}",
@@ -656,7 +686,7 @@ async fn redeem_voucher(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    redeem_inner(&state, &grant, path, &headers, body).unwrap_or_else(|r| r)
+    redeem_inner(&state, &grant, path, &headers, body).unwrap_or_else(IntoResponse::into_response)
 }
 
 fn redeem_inner(
@@ -665,7 +695,7 @@ fn redeem_inner(
     path: Result<Path<String>, PathRejection>,
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
-) -> Result<Response, Response> {
+) -> Result<Response, ApiError> {
     let Path(tenant) = path.map_err(path_not_found)?;
     let tenant = authorize(state, grant, Permission::RedeemVouchers, &tenant)?;
     let content_type = headers
@@ -674,16 +704,16 @@ fn redeem_inner(
         .unwrap_or("");
     let media = content_type.split(';').next().unwrap_or("").trim();
     if !media.eq_ignore_ascii_case("application/json") {
-        return Err(message(
+        return Err(fail(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             format!("send the body as `Content-Type: application/json` (got `{content_type}`)"),
         ));
     }
-    let body = body.map_err(|e| message(e.status(), format!("request body refused: {e}")))?;
-    let request = redeem::parse_body(&body).map_err(validation)?;
+    let body = body.map_err(|e| fail(e.status(), format!("request body refused: {e}")))?;
+    let request = redeem::parse_body(&body).map_err(ApiError::Validation)?;
     let token_id = match &request.redemption_token {
         Some(token) => Some(parse_redemption_token(state, tenant, token).ok_or_else(|| {
-            validation_field(
+            invalid(
                 "redemption_token",
                 "redemption token is invalid or expired".to_string(),
             )
@@ -692,14 +722,14 @@ fn redeem_inner(
     };
     let id = match (token_id, request.voucher_id) {
         (Some(a), Some(b)) if a != b => {
-            return Err(validation_field(
+            return Err(invalid(
                 "voucher_id",
                 format!("voucher_id {b} does not match the voucher of the redemption token"),
             ))
         }
         (Some(id), _) | (None, Some(id)) => id,
         (None, None) => {
-            return Err(validation_field(
+            return Err(invalid(
                 "voucher_id",
                 "either redemption_token or voucher_id is required".to_string(),
             ))
@@ -708,16 +738,16 @@ fn redeem_inner(
     let now = state.clock.now();
     let mut data = state
         .write_tenant(tenant)
-        .ok_or_else(|| message(StatusCode::NOT_FOUND, format!("tenant {tenant} not found")))?;
+        .ok_or_else(|| fail(StatusCode::NOT_FOUND, format!("tenant {tenant} not found")))?;
     let purchased = data.purchased.get_mut(&id).ok_or_else(|| {
-        message(
+        fail(
             StatusCode::NOT_FOUND,
             format!("voucher {id} not found in tenant {tenant}"),
         )
     })?;
     match redeem::redeem(purchased, &request, tenant, now) {
-        Ok(result) => Ok(json(StatusCode::OK, &serde_json::json!({ "data": result }))),
-        Err(refusal) => Err(validation_field(refusal.field, refusal.message)),
+        Ok(result) => Ok(json(StatusCode::OK, &Single { data: result })),
+        Err(refusal) => Err(invalid(refusal.field, refusal.message)),
     }
 }
 

@@ -428,3 +428,47 @@ impl SimState {
         ))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mutation_times_strictly_increase_unless_the_clock_is_frozen() {
+        let clock = Clock::new();
+        let mut last = clock.mutation_time();
+        for _ in 0..10_000 {
+            let next = clock.mutation_time();
+            assert!(next > last);
+            last = next;
+        }
+        let frozen = from_micros(1_900_000_000_000_000);
+        clock.set(Some(frozen));
+        assert_eq!(clock.mutation_time(), frozen);
+        assert_eq!(clock.mutation_time(), frozen);
+        assert_eq!(clock.now(), frozen);
+        clock.set(None);
+        assert!(clock.now() < frozen);
+    }
+
+    #[test]
+    fn the_rate_window_allows_the_budget_then_reports_the_time_to_reset() {
+        let state = SimState::new(&SimulatorOptions {
+            tenants: 1,
+            vouchers: 1,
+            categories: 1,
+            rate_limit: 2,
+            ..SimulatorOptions::default()
+        });
+        let ip: IpAddr = "127.0.0.1".parse().unwrap();
+        assert_eq!(state.charge("a", ip), RateDecision::Allowed);
+        assert_eq!(state.charge("a", ip), RateDecision::Allowed);
+        match state.charge("a", ip) {
+            RateDecision::Limited(reset) => assert!(reset <= Duration::from_secs(60)),
+            other => panic!("expected a limit, got {other:?}"),
+        }
+        assert_eq!(state.charge("b", ip), RateDecision::Allowed);
+        state.settings.set_rate_limit(0);
+        assert_eq!(state.charge("a", ip), RateDecision::Allowed);
+    }
+}

@@ -30,46 +30,8 @@ const MAX_MESSAGE_CHARS: usize = 300;
 /// Shortest token that is scrubbed from upstream text.
 const MIN_SCRUBBED_TOKEN_CHARS: usize = 8;
 
-/// A bearer token that never prints: Debug and Display show `***`.
-#[derive(Clone, PartialEq, Eq, Deserialize)]
-#[serde(transparent)]
-pub struct SecretToken(String);
-
-impl SecretToken {
-    /// Wraps a token.
-    pub fn new(token: impl Into<String>) -> Self {
-        Self(token.into())
-    }
-
-    /// The token itself; only for building the `Authorization` header.
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-
-    /// A short non-secret identifier (first 8 hex digits of the token's blake3 hash) for logs and metrics.
-    pub fn fingerprint(&self) -> String {
-        let hash = blake3::hash(self.0.as_bytes());
-        hex::encode(&hash.as_bytes()[..4])
-    }
-}
-
-impl From<String> for SecretToken {
-    fn from(token: String) -> Self {
-        Self(token)
-    }
-}
-
-impl fmt::Debug for SecretToken {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("***")
-    }
-}
-
-impl fmt::Display for SecretToken {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("***")
-    }
-}
+/// The upstream bearer token: the crate's one secret wrapper.
+pub use crate::secret::Secret as SecretToken;
 
 /// Connection, timeout and retry settings of the client.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -739,8 +701,8 @@ mod tests {
     #[test]
     fn secret_token_prints_as_stars_everywhere() {
         let token = SecretToken::new("s3cr3t-value");
-        assert_eq!(format!("{token:?}"), "***");
-        assert_eq!(format!("{token}"), "***");
+        assert_eq!(format!("{token:?}"), crate::secret::REDACTED);
+        assert_eq!(format!("{token}"), crate::secret::REDACTED);
         assert_eq!(token.expose(), "s3cr3t-value");
         assert_eq!(token.fingerprint().len(), 8);
         let debug = format!("{:?}", client("s3cr3t-value"));

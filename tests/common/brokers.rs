@@ -2,8 +2,8 @@
 //! tansu Kafka broker, each started on a free port with its own store, plus
 //! a Kafka read-back helper and an event factory.
 //!
-//! Include with `#[path = "common/brokers.rs"] mod brokers;`.
-#![allow(dead_code)]
+//! Include with `#[path = "common/brokers.rs"] #[allow(dead_code)] mod brokers;`
+//! (each includer uses a different part).
 
 use std::fs::OpenOptions;
 use std::net::{TcpListener, TcpStream};
@@ -17,6 +17,7 @@ use rdkafka::message::{BorrowedMessage, Headers};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use serde_json::value::RawValue;
 use voucher_cdc::event::{record_event, Event, Op, RecordChange};
+use voucher_cdc::sinks::Sink;
 use voucher_cdc::stream::StreamKey;
 
 /// A port nothing listens on right now (bound to port 0, then released).
@@ -311,6 +312,43 @@ fn consumed(message: &BorrowedMessage<'_>) -> Consumed {
         payload: message.payload().map(<[u8]>::to_vec),
         headers,
     }
+}
+
+/// Publishes `events` again and again, as the sweep does, until every one is
+/// acked; each failure on the way must be retriable. Returns the attempts made.
+pub async fn retry_until_acked(
+    sink: &dyn Sink,
+    mut pending: Vec<Event>,
+    within: Duration,
+) -> usize {
+    let deadline = Instant::now() + within;
+    let mut attempts = 0;
+    while !pending.is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "{} events never acked",
+            pending.len()
+        );
+        attempts += 1;
+        let acks = sink.publish(&pending).await;
+        assert_eq!(acks.len(), pending.len(), "one ack per event");
+        if let Some(Err(fatal)) = acks
+            .iter()
+            .find(|a| matches!(a, Err(e) if !e.is_retriable()))
+        {
+            panic!("a retry failed fatally: {fatal}");
+        }
+        pending = pending
+            .into_iter()
+            .zip(acks)
+            .filter(|(_, ack)| ack.is_err())
+            .map(|(event, _)| event)
+            .collect();
+        if !pending.is_empty() {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    attempts
 }
 
 /// `count` events of `stream` for record ids `first_id..`, each payload about

@@ -64,6 +64,13 @@ pub enum KafkaSinkError {
     },
 }
 
+/// The records queued for one event, and the error that stopped queueing, if any.
+struct Queued {
+    deliveries: Vec<DeliveryFuture>,
+    error: Option<SinkError>,
+    topic: String,
+}
+
 /// Publishes events to Kafka topics.
 pub struct KafkaSink {
     producer: FutureProducer,
@@ -129,8 +136,8 @@ impl KafkaSink {
         }
     }
 
-    /// Queues an event (and its tombstone); returns the deliveries to await.
-    async fn enqueue_event(&self, event: &Event) -> Result<Vec<DeliveryFuture>, SinkError> {
+    /// Queues an event (and its tombstone).
+    async fn enqueue_event(&self, event: &Event) -> Queued {
         let topic = self.template.render(event.stream);
         let headers = OwnedHeaders::new().insert(Header {
             key: "content-type",
@@ -140,12 +147,26 @@ impl KafkaSink {
             .key(event.partition_key.as_bytes())
             .payload(&event.payload[..])
             .headers(headers);
-        let mut deliveries = vec![self.enqueue(record).await?];
+        let mut queued = Queued {
+            deliveries: Vec::with_capacity(2),
+            error: None,
+            topic: topic.clone(),
+        };
+        match self.enqueue(record).await {
+            Ok(delivery) => queued.deliveries.push(delivery),
+            Err(e) => {
+                queued.error = Some(e);
+                return queued;
+            }
+        }
         if self.tombstones && event.is_delete() {
             let tombstone = FutureRecord::to(&topic).key(event.partition_key.as_bytes());
-            deliveries.push(self.enqueue(tombstone).await?);
+            match self.enqueue(tombstone).await {
+                Ok(delivery) => queued.deliveries.push(delivery),
+                Err(e) => queued.error = Some(e),
+            }
         }
-        Ok(deliveries)
+        queued
     }
 
     fn failure(&self, topic: &str, error: &KafkaError) -> SinkError {
@@ -168,19 +189,26 @@ impl KafkaSink {
         }
     }
 
-    async fn await_deliveries(&self, topic: &str, deliveries: Vec<DeliveryFuture>) -> Ack {
-        for delivery in deliveries {
-            match delivery.await {
-                Ok(Ok(_)) => {}
-                Ok(Err((e, _))) => return Err(self.failure(topic, &e)),
-                Err(_canceled) => {
-                    return Err(SinkError::Retriable(format!(
-                        "kafka: delivery to topic `{topic}` was cancelled (producer closed)"
-                    )))
-                }
+    /// Awaits every delivery of an event (none is dropped unawaited); the first failure wins.
+    async fn await_queued(&self, queued: Queued) -> Ack {
+        let mut outcome = match queued.error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        };
+        for delivery in queued.deliveries {
+            let failure = match delivery.await {
+                Ok(Ok(_)) => continue,
+                Ok(Err((e, _))) => self.failure(&queued.topic, &e),
+                Err(_canceled) => SinkError::Retriable(format!(
+                    "kafka: delivery to topic `{}` was cancelled (producer closed)",
+                    queued.topic
+                )),
+            };
+            if outcome.is_ok() {
+                outcome = Err(failure);
             }
         }
-        Ok(())
+        outcome
     }
 
     fn flush_blocking(producer: &FutureProducer, timeout: Duration) -> Result<(), KafkaError> {
@@ -205,14 +233,8 @@ impl Sink for KafkaSink {
             queued.push(self.enqueue_event(event).await);
         }
         let mut acks = Vec::with_capacity(events.len());
-        for (event, queued) in events.iter().zip(queued) {
-            acks.push(match queued {
-                Ok(deliveries) => {
-                    let topic = self.template.render(event.stream);
-                    self.await_deliveries(&topic, deliveries).await
-                }
-                Err(e) => Err(e),
-            });
+        for queued in queued {
+            acks.push(self.await_queued(queued).await);
         }
         record_publish(SINK, started, &acks);
         acks

@@ -2,41 +2,12 @@
 //! events, validated apart from any I/O so `check-config` can report every
 //! mistake without a server.
 
-use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-/// What a secret looks like in `Debug` output and in [`NatsSinkConfig::redacted`].
-pub const REDACTED: &str = "<redacted>";
-
-/// A string that never shows in `Debug` output (passwords, tokens).
-#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct Secret(String);
-
-impl Secret {
-    /// Wraps a secret value.
-    pub fn new(value: impl Into<String>) -> Self {
-        Self(value.into())
-    }
-
-    /// The secret value, for handing to the client library only.
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-
-    fn redacted() -> Self {
-        Self(REDACTED.to_string())
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(REDACTED)
-    }
-}
+pub use crate::secret::{Secret, REDACTED};
 
 /// Configuration of the NATS JetStream sink (`[sink.nats]`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -174,8 +145,8 @@ impl NatsSinkConfig {
     /// A copy with every secret replaced by `<redacted>`, for `check-config`.
     pub fn redacted(&self) -> Self {
         Self {
-            password: self.password.as_ref().map(|_| Secret::redacted()),
-            token: self.token.as_ref().map(|_| Secret::redacted()),
+            password: self.password.as_ref().map(|_| Secret::new(REDACTED)),
+            token: self.token.as_ref().map(|_| Secret::new(REDACTED)),
             ..self.clone()
         }
     }
