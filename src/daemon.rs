@@ -50,6 +50,9 @@ pub enum DaemonError {
         /// What went wrong.
         message: String,
     },
+    /// The daemon's own task failed (a bug: it panicked).
+    #[error("daemon task failed: {0}")]
+    Task(String),
     /// The admin API could not listen or failed.
     #[error("admin api on {listen}: {message}")]
     Admin {
@@ -279,10 +282,7 @@ impl DaemonHandle {
     pub async fn wait(self) -> Result<(), DaemonError> {
         match self.task.await {
             Ok(result) => result,
-            Err(e) => Err(DaemonError::Admin {
-                listen: self.admin_addr.to_string(),
-                message: format!("daemon task failed: {e}"),
-            }),
+            Err(e) => Err(DaemonError::Task(e.to_string())),
         }
     }
 
