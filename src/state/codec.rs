@@ -7,7 +7,9 @@
 //!   (18 bytes; flipping the sign bit makes byte order equal numeric order);
 //! * value: `flags u8 | hash [16] | updated_at i64 BE (only if flags bit 0) | varints`,
 //!   where the varints are `seen_epoch, generation` for a record and
-//!   `generation` for an intent or a tombstone.
+//!   `generation` for an intent or a tombstone;
+//! * intents are journalled per publish batch: key `b'j' | tenant | tag | seq u64 BE`,
+//!   value `count varint | (id i64 BE | intent value)*`.
 
 use crate::diff::ContentHash;
 use crate::stream::{Resource, StreamKey};
@@ -16,8 +18,8 @@ use super::{Intent, RecordState, Tombstone};
 
 /// Kind byte of a committed record key.
 pub(crate) const KIND_RECORD: u8 = b'r';
-/// Kind byte of an intent key.
-pub(crate) const KIND_INTENT: u8 = b'i';
+/// Kind byte of an intent journal entry key (one per `write_intents` batch).
+pub(crate) const KIND_JOURNAL: u8 = b'j';
 /// Kind byte of a tombstone key.
 pub(crate) const KIND_TOMBSTONE: u8 = b't';
 
@@ -157,23 +159,51 @@ pub(crate) fn decode_record(bytes: &[u8]) -> Option<RecordState> {
     })
 }
 
-/// Encodes an intent.
-pub(crate) fn encode_intent(intent: &Intent, out: &mut Vec<u8>) {
-    out.clear();
-    put_head(out, intent.hash, intent.updated_at);
-    put_varint(out, u64::from(intent.generation));
+/// The key of a journal entry: like a record key, with the entry's sequence number as id.
+pub(crate) fn journal_key(key: StreamKey, seq: u64) -> [u8; RECORD_KEY_LEN] {
+    let mut out = [0u8; RECORD_KEY_LEN];
+    out[..PREFIX_LEN].copy_from_slice(&prefix(KIND_JOURNAL, key));
+    out[PREFIX_LEN..].copy_from_slice(&seq.to_be_bytes());
+    out
 }
 
-/// Decodes an intent; None when the bytes are malformed.
-pub(crate) fn decode_intent(bytes: &[u8]) -> Option<Intent> {
+/// The sequence number of a journal entry key; None when the key is malformed.
+pub(crate) fn journal_seq(key: &[u8]) -> Option<u64> {
+    let tail: [u8; 8] = key.get(PREFIX_LEN..)?.try_into().ok()?;
+    Some(u64::from_be_bytes(tail))
+}
+
+/// Encodes a journal entry: the intents of one publish batch.
+pub(crate) fn encode_journal(intents: &[(i64, Intent)], out: &mut Vec<u8>) {
+    out.clear();
+    put_varint(out, intents.len() as u64);
+    for (id, intent) in intents {
+        out.extend_from_slice(&id.to_be_bytes());
+        put_head(out, intent.hash, intent.updated_at);
+        put_varint(out, u64::from(intent.generation));
+    }
+}
+
+/// Decodes a journal entry; None when the bytes are malformed.
+pub(crate) fn decode_journal(bytes: &[u8]) -> Option<Vec<(i64, Intent)>> {
     let mut r = Reader { bytes };
-    let (hash, updated_at) = r.head()?;
-    let generation = u32::try_from(r.varint()?).ok()?;
-    r.finish(Intent {
-        hash,
-        updated_at,
-        generation,
-    })
+    let count = usize::try_from(r.varint()?).ok()?;
+    // Each intent takes at least 26 bytes: never trust a count beyond that.
+    let mut intents = Vec::with_capacity(count.min(bytes.len() / 26));
+    for _ in 0..count {
+        let id = i64::from_be_bytes(r.take::<8>()?);
+        let (hash, updated_at) = r.head()?;
+        let generation = u32::try_from(r.varint()?).ok()?;
+        intents.push((
+            id,
+            Intent {
+                hash,
+                updated_at,
+                generation,
+            },
+        ));
+    }
+    r.finish(intents)
 }
 
 /// Encodes a tombstone.
@@ -219,6 +249,22 @@ mod tests {
             assert_eq!(key_id(key), Some(*id));
             assert!(key.starts_with(&prefix(KIND_RECORD, stream)));
         }
+    }
+
+    #[test]
+    fn journal_keys_sort_by_sequence_and_round_trip() {
+        let stream = StreamKey::new(7, Resource::Categories);
+        let keys: Vec<_> = [0u64, 1, 255, 256, u64::MAX]
+            .iter()
+            .map(|&seq| journal_key(stream, seq))
+            .collect();
+        let mut sorted = keys.clone();
+        sorted.sort();
+        assert_eq!(keys, sorted);
+        assert_eq!(journal_seq(&keys[3]), Some(256));
+        assert!(keys[0].starts_with(&prefix(KIND_JOURNAL, stream)));
+        assert_eq!(decode_journal(&[]), None);
+        assert_eq!(decode_journal(&[0]), Some(Vec::new()));
     }
 
     #[test]
@@ -284,8 +330,12 @@ mod tests {
             encode_record(&record, &mut out);
             prop_assert_eq!(decode_record(&out), Some(record));
             let intent = Intent { hash: ContentHash(h), updated_at, generation };
-            encode_intent(&intent, &mut out);
-            prop_assert_eq!(decode_intent(&out), Some(intent));
+            let entry = vec![(seen_epoch as i64, intent), (-1, intent)];
+            encode_journal(&entry, &mut out);
+            prop_assert_eq!(decode_journal(&out), Some(entry));
+            for len in 0..out.len() {
+                prop_assert_eq!(decode_journal(&out[..len]), None);
+            }
             let tombstone = Tombstone { generation, last_hash: ContentHash(h), updated_at };
             encode_tombstone(&tombstone, &mut out);
             prop_assert_eq!(decode_tombstone(&out), Some(tombstone));

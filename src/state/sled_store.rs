@@ -7,12 +7,15 @@
 //! deletes) be a single `apply_batch`, which sled applies atomically, without
 //! the cost of cross-tree transactions. See docs/state.md.
 
+use std::collections::HashMap;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use tempfile::TempDir;
 
-use super::codec::{self, KIND_INTENT, KIND_RECORD, KIND_TOMBSTONE, RECORD_KEY_LEN};
+use super::codec::{self, KIND_JOURNAL, KIND_RECORD, KIND_TOMBSTONE};
+use super::journal::{JournalPlan, StreamJournal};
 use super::{Intent, RecordState, StateError, StateStore, StreamState, Tombstone};
 use crate::stream::StreamKey;
 
@@ -39,6 +42,8 @@ pub struct SledStore {
     meta: sled::Tree,
     streams: sled::Tree,
     catalog: sled::Tree,
+    /// In-memory index of each stream's intent journal, loaded on first use.
+    journals: Mutex<HashMap<StreamKey, Arc<Mutex<StreamJournal>>>>,
     path: PathBuf,
     /// Keeps a temporary store's directory alive; dropped after the db.
     _temp_dir: Option<TempDir>,
@@ -94,6 +99,7 @@ impl SledStore {
             streams: tree("streams")?,
             catalog: tree("catalog")?,
             db,
+            journals: Mutex::new(HashMap::new()),
             path: path.to_path_buf(),
             _temp_dir: temp_dir,
         };
@@ -177,6 +183,31 @@ impl SledStore {
             "undecodable {what} value under key {}",
             hex::encode(key)
         ))
+    }
+
+    /// The stream's journal index, loading it from its entries on first use.
+    fn journal(&self, key: StreamKey) -> Result<Arc<Mutex<StreamJournal>>, StateError> {
+        let mut journals = lock(&self.journals);
+        if let Some(journal) = journals.get(&key) {
+            return Ok(journal.clone());
+        }
+        let mut entries = Vec::new();
+        for entry in self.catalog.scan_prefix(codec::prefix(KIND_JOURNAL, key)) {
+            let (k, v) = entry.map_err(|e| self.err(e))?;
+            let seq = codec::journal_seq(&k).ok_or_else(|| self.corrupt_value("journal", &k))?;
+            let intents =
+                codec::decode_journal(&v).ok_or_else(|| self.corrupt_value("journal", &k))?;
+            entries.push((seq, intents));
+        }
+        let (journal, cleanup) = StreamJournal::load(entries);
+        if !cleanup.changes.is_empty() {
+            let mut batch = sled::Batch::default();
+            add_journal_plan(&mut batch, key, &cleanup);
+            self.apply(batch)?;
+        }
+        let journal = Arc::new(Mutex::new(journal));
+        journals.insert(key, journal.clone());
+        Ok(journal)
     }
 
     fn apply(&self, batch: sled::Batch) -> Result<(), StateError> {
@@ -290,17 +321,20 @@ impl StateStore for SledStore {
         if intents.is_empty() {
             return Ok(());
         }
+        let journal = self.journal(key)?;
+        let mut journal = lock(&journal);
+        let (plan, _seq) = journal.plan_append(intents);
         let mut batch = sled::Batch::default();
-        let mut value = Vec::with_capacity(32);
-        for (id, intent) in intents {
-            codec::encode_intent(intent, &mut value);
-            batch.insert(&codec::record_key(KIND_INTENT, key, *id)[..], &value[..]);
-        }
-        self.apply(batch)
+        add_journal_plan(&mut batch, key, &plan);
+        self.apply(batch)?;
+        journal.apply(&plan);
+        Ok(())
     }
 
     fn pending_intents(&self, key: StreamKey) -> Result<Vec<(i64, Intent)>, StateError> {
-        self.scan(KIND_INTENT, key, "intent", codec::decode_intent, |_| true)
+        let journal = self.journal(key)?;
+        let pending = lock(&journal).pending();
+        Ok(pending)
     }
 
     fn commit_page(
@@ -310,13 +344,17 @@ impl StateStore for SledStore {
         seen: &[i64],
         epoch: u64,
     ) -> Result<(), StateError> {
+        let journal = self.journal(key)?;
+        let mut journal = lock(&journal);
+        let plan = journal.plan_removal(commits.iter().map(|(id, _)| *id));
         let mut batch = sled::Batch::default();
+        add_journal_plan(&mut batch, key, &plan);
         let mut value = Vec::with_capacity(32);
         for (id, record) in commits {
             codec::encode_record(record, &mut value);
             batch.insert(&codec::record_key(KIND_RECORD, key, *id)[..], &value[..]);
-            self.remove_if_present(&mut batch, codec::record_key(KIND_INTENT, key, *id))?;
-            self.remove_if_present(&mut batch, codec::record_key(KIND_TOMBSTONE, key, *id))?;
+            // Removing an absent key is a no-op in sled (nothing is logged).
+            batch.remove(&codec::record_key(KIND_TOMBSTONE, key, *id)[..]);
         }
         let committed = |id: &i64| commits.iter().any(|(c, _)| c == id);
         for id in seen.iter().filter(|id| !committed(id)) {
@@ -333,7 +371,9 @@ impl StateStore for SledStore {
             codec::encode_record(&record, &mut value);
             batch.insert(&k[..], &value[..]);
         }
-        self.apply(batch)
+        self.apply(batch)?;
+        journal.apply(&plan);
+        Ok(())
     }
 
     fn unseen_records(
@@ -363,15 +403,20 @@ impl StateStore for SledStore {
         if deletes.is_empty() {
             return Ok(());
         }
+        let journal = self.journal(key)?;
+        let mut journal = lock(&journal);
+        let plan = journal.plan_removal(deletes.iter().map(|(id, _)| *id));
         let mut batch = sled::Batch::default();
+        add_journal_plan(&mut batch, key, &plan);
         let mut value = Vec::with_capacity(32);
         for (id, tombstone) in deletes {
             batch.remove(&codec::record_key(KIND_RECORD, key, *id)[..]);
-            self.remove_if_present(&mut batch, codec::record_key(KIND_INTENT, key, *id))?;
             codec::encode_tombstone(tombstone, &mut value);
             batch.insert(&codec::record_key(KIND_TOMBSTONE, key, *id)[..], &value[..]);
         }
-        self.apply(batch)
+        self.apply(batch)?;
+        journal.apply(&plan);
+        Ok(())
     }
 
     fn flush(&self) -> Result<(), StateError> {
@@ -380,19 +425,27 @@ impl StateStore for SledStore {
     }
 }
 
-impl SledStore {
-    /// Adds a removal to `batch` only when the key exists: removals of absent
-    /// keys would still cost log space in sled.
-    fn remove_if_present(
-        &self,
-        batch: &mut sled::Batch,
-        k: [u8; RECORD_KEY_LEN],
-    ) -> Result<(), StateError> {
-        if self.catalog.contains_key(k).map_err(|e| self.err(e))? {
-            batch.remove(&k[..]);
+/// Adds the journal entry writes and removals of `plan` to `batch`.
+fn add_journal_plan(batch: &mut sled::Batch, key: StreamKey, plan: &JournalPlan) {
+    let mut value = Vec::new();
+    for (seq, contents) in &plan.changes {
+        let k = codec::journal_key(key, *seq);
+        match contents {
+            Some(intents) if !intents.is_empty() => {
+                codec::encode_journal(intents, &mut value);
+                batch.insert(&k[..], &value[..]);
+            }
+            _ => batch.remove(&k[..]),
         }
-        Ok(())
     }
+}
+
+/// Locks a mutex; a panic elsewhere never leaves these indexes half-updated
+/// (plans are applied only after their batch succeeded, without panicking).
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Reads the layout marker: None when absent, an error when unknown or unreadable.
@@ -626,6 +679,52 @@ mod tests {
             vec![Some(record(7, 0))]
         );
         assert_eq!(store.record_count(VOUCHERS).unwrap(), 2);
+    }
+
+    #[test]
+    fn a_partly_committed_intent_batch_keeps_the_rest_pending_across_reopens() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = open(&dir);
+            store
+                .write_intents(VOUCHERS, &[(1, intent(1)), (2, intent(2)), (3, intent(3))])
+                .unwrap();
+            // Record 3 is journalled again by a later batch: only the newest counts.
+            store
+                .write_intents(VOUCHERS, &[(3, intent(33)), (4, intent(4))])
+                .unwrap();
+            store.write_intents(CATEGORIES, &[(1, intent(9))]).unwrap();
+            store
+                .commit_page(VOUCHERS, &[(1, record(1, 0))], &[], 0)
+                .unwrap();
+            store
+                .commit_deletes(VOUCHERS, &[(4, tombstone(4, 1))])
+                .unwrap();
+            assert_eq!(
+                store.pending_intents(VOUCHERS).unwrap(),
+                vec![(2, intent(2)), (3, intent(33))]
+            );
+            store.flush().unwrap();
+        }
+        let store = open(&dir);
+        assert_eq!(
+            store.pending_intents(VOUCHERS).unwrap(),
+            vec![(2, intent(2)), (3, intent(33))]
+        );
+        assert_eq!(
+            store.pending_intents(CATEGORIES).unwrap(),
+            vec![(1, intent(9))]
+        );
+        store
+            .commit_page(VOUCHERS, &[(2, record(2, 0)), (3, record(3, 0))], &[], 0)
+            .unwrap();
+        assert!(store.pending_intents(VOUCHERS).unwrap().is_empty());
+        // No journal entry is left behind once every intent was cleared.
+        let entries = store
+            .catalog
+            .scan_prefix(codec::prefix(KIND_JOURNAL, VOUCHERS))
+            .count();
+        assert_eq!(entries, 0);
     }
 
     #[test]
