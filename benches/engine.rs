@@ -5,6 +5,8 @@
 //! ```text
 //! cargo bench --bench engine                 # criterion: hash, page commit, scans
 //! cargo bench --bench engine -- --footprint  # disk bytes per record and RSS
+//! cargo bench --bench engine -- --footprint 1000000,3000000
+//! cargo bench --bench engine -- --cpu        # records per CPU-second (shared machines)
 //! ```
 
 use std::path::Path;
@@ -186,7 +188,7 @@ fn bench_pages(c: &mut Criterion, bodies: &[[String; 2]]) {
         b.iter(|| {
             round += 1;
             let first = (round * PAGE) % KNOWN;
-            let version = (round * PAGE / KNOWN) % 2 ^ 1;
+            let version = ((round * PAGE / KNOWN) % 2) ^ 1;
             let ids: Vec<i64> = (first..first + PAGE).map(|i| i as i64).collect();
             let texts: Vec<&str> = ids
                 .iter()
@@ -425,8 +427,14 @@ fn main() {
         footprint_child(n);
         return;
     }
-    if args.iter().any(|a| a == "--footprint") {
-        footprint(&[10_000, 100_000, 300_000]);
+    if let Some(pos) = args.iter().position(|a| a == "--footprint") {
+        // Optional comma-separated sizes, e.g. `--footprint 1000000,3000000`.
+        let sizes: Vec<usize> = args
+            .get(pos + 1)
+            .map(|list| list.split(',').filter_map(|n| n.parse().ok()).collect())
+            .filter(|sizes: &Vec<usize>| !sizes.is_empty())
+            .unwrap_or_else(|| vec![10_000, 100_000, 300_000]);
+        footprint(&sizes);
         return;
     }
     let bodies = bodies();
