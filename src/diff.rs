@@ -149,8 +149,9 @@ impl IgnoreKeys {
         self.keys.is_empty()
     }
 
+    #[inline]
     fn contains(&self, canonical_key: &[u8]) -> bool {
-        self.keys.iter().any(|k| k.as_slice() == canonical_key)
+        !self.keys.is_empty() && self.keys.iter().any(|k| k.as_slice() == canonical_key)
     }
 }
 
@@ -291,12 +292,33 @@ struct Member {
     key_end: u32,
     /// End of the value.
     end: u32,
+    /// The key's first eight bytes, big-endian, zero-padded: orders most keys
+    /// without touching the bytes again.
+    prefix: u64,
 }
 
 impl Member {
     fn key<'a>(&self, out: &'a [u8]) -> &'a [u8] {
         &out[self.start as usize + 1..self.key_end as usize - 1]
     }
+}
+
+/// The first eight bytes of `key` as a big-endian integer, zero-padded.
+///
+/// Canonical key bytes are never zero (control characters are escaped), so
+/// comparing prefixes and then, on a tie, whole keys is byte order.
+#[inline]
+fn key_prefix(key: &[u8]) -> u64 {
+    let mut buf = [0u8; 8];
+    let n = key.len().min(8);
+    buf[..n].copy_from_slice(&key[..n]);
+    u64::from_be_bytes(buf)
+}
+
+/// Byte order of two keys, given their prefixes.
+#[inline]
+fn cmp_keys(a_prefix: u64, a: &[u8], b_prefix: u64, b: &[u8]) -> std::cmp::Ordering {
+    a_prefix.cmp(&b_prefix).then_with(|| a.cmp(b))
 }
 
 fn canonicalize(scratch: &mut Scratch, raw: &str, ignore: &IgnoreKeys) -> Result<(), DiffError> {
@@ -442,16 +464,19 @@ impl Parser<'_, '_> {
             self.scratch.out.push(b':');
             self.skip_ws();
             self.value(depth)?;
+            let key = &self.scratch.out[start + 1..key_end - 1];
             let member = Member {
                 start: start as u32,
                 key_end: key_end as u32,
                 end: self.scratch.out.len() as u32,
+                prefix: key_prefix(key),
             };
-            if self.ignore.contains(member.key(&self.scratch.out)) {
+            if self.ignore.contains(key) {
                 self.scratch.out.truncate(separator_at);
             } else {
                 if let Some(last) = self.scratch.members[first_member..].last() {
-                    if last.key(&self.scratch.out) > member.key(&self.scratch.out) {
+                    let out = &self.scratch.out;
+                    if sorted && cmp_keys(last.prefix, last.key(out), member.prefix, key).is_gt() {
                         sorted = false;
                     }
                 }
@@ -491,7 +516,7 @@ impl Parser<'_, '_> {
         members.sort_by(|a, b| {
             let ka = &copy[(a.start - offset) as usize + 1..(a.key_end - offset) as usize - 1];
             let kb = &copy[(b.start - offset) as usize + 1..(b.key_end - offset) as usize - 1];
-            ka.cmp(kb)
+            cmp_keys(a.prefix, ka, b.prefix, kb)
         });
         scratch.out.truncate(body_start);
         for (i, m) in members.iter().enumerate() {
@@ -510,12 +535,7 @@ impl Parser<'_, '_> {
         loop {
             // Fast path: copy a run of bytes that need no escaping.
             let run_start = self.pos;
-            while let Some(&b) = self.input.get(self.pos) {
-                if b == b'"' || b == b'\\' || b < 0x20 {
-                    break;
-                }
-                self.pos += 1;
-            }
+            self.pos = plain_run_end(self.input, self.pos);
             self.scratch
                 .out
                 .extend_from_slice(&self.input[run_start..self.pos]);
@@ -685,6 +705,16 @@ impl Parser<'_, '_> {
         }
         let input = self.input;
         let int_digits = &input[int_start..int_end];
+        if frac.0 == frac.1 && exponent == 0 && int_digits.len() <= 16 {
+            // Fast path for plain integers: a leading digit is never zero and
+            // at most 15 trailing zeros fit, so the text is already canonical.
+            let out = &mut self.scratch.out;
+            if negative && int_digits != b"0" {
+                out.push(b'-');
+            }
+            out.extend_from_slice(int_digits);
+            return Ok(());
+        }
         let frac_digits = &input[frac.0..frac.1];
         let digits = &mut self.scratch.digits;
         digits.clear();
@@ -719,6 +749,39 @@ impl Parser<'_, '_> {
         }
         Ok(())
     }
+}
+
+/// The end of the run of string bytes starting at `pos` that need no
+/// escaping (no `"`, `\\` or control character), eight bytes at a time.
+#[inline]
+fn plain_run_end(input: &[u8], mut pos: usize) -> usize {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    while let Some((chunk, _)) = input
+        .get(pos..)
+        .and_then(|rest| rest.split_first_chunk::<8>())
+    {
+        let word = u64::from_le_bytes(*chunk);
+        // Classic SWAR tests; each is exact for the lowest matching byte,
+        // which is the only one used.
+        let control = word.wrapping_sub(ONES * 0x20) & !word & HIGH;
+        let quote = word ^ (ONES * u64::from(b'"'));
+        let quote = quote.wrapping_sub(ONES) & !quote & HIGH;
+        let backslash = word ^ (ONES * u64::from(b'\\'));
+        let backslash = backslash.wrapping_sub(ONES) & !backslash & HIGH;
+        let hits = control | quote | backslash;
+        if hits != 0 {
+            return pos + (hits.trailing_zeros() / 8) as usize;
+        }
+        pos += 8;
+    }
+    while let Some(&b) = input.get(pos) {
+        if b == b'"' || b == b'\\' || b < 0x20 {
+            break;
+        }
+        pos += 1;
+    }
+    pos
 }
 
 /// Writes an integer in decimal.
@@ -996,6 +1059,22 @@ mod tests {
         assert_eq!(ours["image_urls"], theirs["image_urls"]);
         assert_eq!(ours["category_refs"], theirs["category_refs"]);
         assert_eq!(ours["price"].as_f64(), theirs["price"].as_f64());
+    }
+
+    #[test]
+    fn the_word_at_a_time_string_scan_stops_at_the_first_special_byte() {
+        let text = "abcdefghijklmnopqrstuvwxyzé€😀";
+        for special in ["\"", "\\", "\n", "\u{1f}", "\u{0}"] {
+            for at in 0..=text.len() {
+                if !text.is_char_boundary(at) {
+                    continue;
+                }
+                let input = format!("{}{special}{}", &text[..at], &text[at..]);
+                assert_eq!(plain_run_end(input.as_bytes(), 0), at, "{input:?}");
+                assert_eq!(plain_run_end(input.as_bytes(), at.min(3)), at, "{input:?}");
+            }
+        }
+        assert_eq!(plain_run_end(text.as_bytes(), 0), text.len());
     }
 
     // ---- properties -------------------------------------------------------

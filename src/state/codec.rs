@@ -3,21 +3,33 @@
 //! Per-record values are written hundreds of thousands of times, so they use a
 //! small hand-rolled format instead of serde_json (see docs/state.md):
 //!
-//! * key: `kind u8 | tenant u64 BE | resource tag u8 | id i64 BE with the sign bit flipped`
-//!   (18 bytes; flipping the sign bit makes byte order equal numeric order);
-//! * value: `flags u8 | hash [16] | updated_at i64 BE (only if flags bit 0) | varints`,
-//!   where the varints are `seen_epoch, generation` for a record and
-//!   `generation` for an intent or a tombstone.
+//! * key: `kind u8 | tenant u64 BE | resource tag u8 | n i64 BE with the sign bit flipped`
+//!   (18 bytes; flipping the sign bit makes byte order equal numeric order),
+//!   where `n` is the record id for a tombstone and the bucket `id >> 5` for records;
+//! * record state: `flags u8 | hash [16] | updated_at i64 BE (only if flags bit 0) |
+//!   seen_epoch varint | generation varint`; a tombstone is the same head followed
+//!   by `generation varint`;
+//! * records are stored 32 ids to a bucket (`id >> 5`): the bucket value is
+//!   `presence u32 BE` (bit `id & 31` set when that id is present) followed by
+//!   the record states of the present ids in id order. Pages list neighbouring
+//!   ids, so one sled entry serves many records: far fewer sled operations per
+//!   page and far less per-entry overhead on disk than one entry per record;
+//! * intents are journalled per publish batch: key `b'j' | tenant | tag | seq u64 BE`,
+//!   value `count varint | (id i64 BE | intent value)*`.
 
 use crate::diff::ContentHash;
 use crate::stream::{Resource, StreamKey};
 
 use super::{Intent, RecordState, Tombstone};
 
-/// Kind byte of a committed record key.
+/// Record ids per bucket (a power of two).
+pub(crate) const BUCKET_SLOTS: usize = 32;
+const BUCKET_SHIFT: u32 = BUCKET_SLOTS.trailing_zeros();
+
+/// Kind byte of a committed record bucket key.
 pub(crate) const KIND_RECORD: u8 = b'r';
-/// Kind byte of an intent key.
-pub(crate) const KIND_INTENT: u8 = b'i';
+/// Kind byte of an intent journal entry key (one per `write_intents` batch).
+pub(crate) const KIND_JOURNAL: u8 = b'j';
 /// Kind byte of a tombstone key.
 pub(crate) const KIND_TOMBSTONE: u8 = b't';
 
@@ -135,45 +147,127 @@ impl Reader<'_> {
     }
 }
 
-/// Encodes a committed record.
-pub(crate) fn encode_record(state: &RecordState, out: &mut Vec<u8>) {
-    out.clear();
+/// The bucket of a record id and the id's slot in it.
+pub(crate) fn bucket_of(id: i64) -> (i64, usize) {
+    (
+        id >> BUCKET_SHIFT,
+        (id & (BUCKET_SLOTS as i64 - 1)) as usize,
+    )
+}
+
+/// The record id in `slot` of `bucket`.
+pub(crate) fn id_in_bucket(bucket: i64, slot: usize) -> i64 {
+    (bucket << BUCKET_SHIFT) | slot as i64
+}
+
+/// The committed records of 32 neighbouring ids.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub(crate) struct Bucket {
+    /// Slot `id & 31` holds the record with that id, if committed.
+    pub(crate) slots: [Option<RecordState>; BUCKET_SLOTS],
+}
+
+impl Bucket {
+    /// Number of records present.
+    pub(crate) fn len(&self) -> usize {
+        self.slots.iter().filter(|s| s.is_some()).count()
+    }
+}
+
+fn put_record(out: &mut Vec<u8>, state: &RecordState) {
     put_head(out, state.hash, state.updated_at);
     put_varint(out, state.seen_epoch);
     put_varint(out, u64::from(state.generation));
 }
 
-/// Decodes a committed record; None when the bytes are malformed.
-pub(crate) fn decode_record(bytes: &[u8]) -> Option<RecordState> {
-    let mut r = Reader { bytes };
-    let (hash, updated_at) = r.head()?;
-    let seen_epoch = r.varint()?;
-    let generation = u32::try_from(r.varint()?).ok()?;
-    r.finish(RecordState {
-        hash,
-        updated_at,
-        seen_epoch,
-        generation,
-    })
-}
-
-/// Encodes an intent.
-pub(crate) fn encode_intent(intent: &Intent, out: &mut Vec<u8>) {
+/// Encodes a bucket.
+pub(crate) fn encode_bucket(bucket: &Bucket, out: &mut Vec<u8>) {
     out.clear();
-    put_head(out, intent.hash, intent.updated_at);
-    put_varint(out, u64::from(intent.generation));
+    let presence = bucket
+        .slots
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.is_some())
+        .fold(0u32, |bits, (slot, _)| bits | (1 << slot));
+    out.extend_from_slice(&presence.to_be_bytes());
+    for state in bucket.slots.iter().flatten() {
+        put_record(out, state);
+    }
 }
 
-/// Decodes an intent; None when the bytes are malformed.
-pub(crate) fn decode_intent(bytes: &[u8]) -> Option<Intent> {
+/// Number of records in an encoded bucket, without decoding them.
+pub(crate) fn bucket_len(bytes: &[u8]) -> Option<u32> {
+    let presence: [u8; 4] = bytes.get(..4)?.try_into().ok()?;
+    Some(u32::from_be_bytes(presence).count_ones())
+}
+
+/// Decodes a bucket; None when the bytes are malformed.
+pub(crate) fn decode_bucket(bytes: &[u8]) -> Option<Bucket> {
     let mut r = Reader { bytes };
-    let (hash, updated_at) = r.head()?;
-    let generation = u32::try_from(r.varint()?).ok()?;
-    r.finish(Intent {
-        hash,
-        updated_at,
-        generation,
-    })
+    let presence = u32::from_be_bytes(r.take::<4>()?);
+    let mut bucket = Bucket::default();
+    for (slot, cell) in bucket.slots.iter_mut().enumerate() {
+        if presence & (1 << slot) == 0 {
+            continue;
+        }
+        let (hash, updated_at) = r.head()?;
+        let seen_epoch = r.varint()?;
+        let generation = u32::try_from(r.varint()?).ok()?;
+        *cell = Some(RecordState {
+            hash,
+            updated_at,
+            seen_epoch,
+            generation,
+        });
+    }
+    r.finish(bucket)
+}
+
+/// The key of a journal entry: like a record key, with the entry's sequence number as id.
+pub(crate) fn journal_key(key: StreamKey, seq: u64) -> [u8; RECORD_KEY_LEN] {
+    let mut out = [0u8; RECORD_KEY_LEN];
+    out[..PREFIX_LEN].copy_from_slice(&prefix(KIND_JOURNAL, key));
+    out[PREFIX_LEN..].copy_from_slice(&seq.to_be_bytes());
+    out
+}
+
+/// The sequence number of a journal entry key; None when the key is malformed.
+pub(crate) fn journal_seq(key: &[u8]) -> Option<u64> {
+    let tail: [u8; 8] = key.get(PREFIX_LEN..)?.try_into().ok()?;
+    Some(u64::from_be_bytes(tail))
+}
+
+/// Encodes a journal entry: the intents of one publish batch.
+pub(crate) fn encode_journal(intents: &[(i64, Intent)], out: &mut Vec<u8>) {
+    out.clear();
+    put_varint(out, intents.len() as u64);
+    for (id, intent) in intents {
+        out.extend_from_slice(&id.to_be_bytes());
+        put_head(out, intent.hash, intent.updated_at);
+        put_varint(out, u64::from(intent.generation));
+    }
+}
+
+/// Decodes a journal entry; None when the bytes are malformed.
+pub(crate) fn decode_journal(bytes: &[u8]) -> Option<Vec<(i64, Intent)>> {
+    let mut r = Reader { bytes };
+    let count = usize::try_from(r.varint()?).ok()?;
+    // Each intent takes at least 26 bytes: never trust a count beyond that.
+    let mut intents = Vec::with_capacity(count.min(bytes.len() / 26));
+    for _ in 0..count {
+        let id = i64::from_be_bytes(r.take::<8>()?);
+        let (hash, updated_at) = r.head()?;
+        let generation = u32::try_from(r.varint()?).ok()?;
+        intents.push((
+            id,
+            Intent {
+                hash,
+                updated_at,
+                generation,
+            },
+        ));
+    }
+    r.finish(intents)
 }
 
 /// Encodes a tombstone.
@@ -222,6 +316,22 @@ mod tests {
     }
 
     #[test]
+    fn journal_keys_sort_by_sequence_and_round_trip() {
+        let stream = StreamKey::new(7, Resource::Categories);
+        let keys: Vec<_> = [0u64, 1, 255, 256, u64::MAX]
+            .iter()
+            .map(|&seq| journal_key(stream, seq))
+            .collect();
+        let mut sorted = keys.clone();
+        sorted.sort();
+        assert_eq!(keys, sorted);
+        assert_eq!(journal_seq(&keys[3]), Some(256));
+        assert!(keys[0].starts_with(&prefix(KIND_JOURNAL, stream)));
+        assert_eq!(decode_journal(&[]), None);
+        assert_eq!(decode_journal(&[0]), Some(Vec::new()));
+    }
+
+    #[test]
     fn stream_keys_round_trip_and_unknown_tags_are_rejected() {
         for resource in Resource::ALL {
             let key = StreamKey::new(u64::MAX - 3, resource);
@@ -233,42 +343,59 @@ mod tests {
         assert_eq!(decode_stream_key(&bad[..5]), None);
     }
 
-    #[test]
-    fn a_typical_record_value_takes_27_bytes() {
-        let mut out = Vec::new();
-        encode_record(
-            &RecordState {
-                hash: hash(1),
+    fn full_bucket() -> Bucket {
+        let mut bucket = Bucket::default();
+        for (slot, cell) in bucket.slots.iter_mut().enumerate() {
+            *cell = Some(RecordState {
+                hash: hash(slot as u8),
                 updated_at: Some(1_700_000_000_000_000),
                 seen_epoch: 12,
                 generation: 0,
-            },
-            &mut out,
-        );
-        assert_eq!(out.len(), 27);
+            });
+        }
+        bucket
     }
 
     #[test]
-    fn truncated_or_padded_values_do_not_decode() {
+    fn a_typical_record_takes_27_bytes_in_its_bucket() {
         let mut out = Vec::new();
-        encode_record(
-            &RecordState {
-                hash: hash(9),
-                updated_at: None,
-                seen_epoch: 300,
-                generation: 2,
-            },
-            &mut out,
-        );
+        encode_bucket(&full_bucket(), &mut out);
+        assert_eq!(out.len(), 4 + 32 * 27);
+        assert_eq!(bucket_len(&out), Some(32));
+    }
+
+    #[test]
+    fn ids_map_to_buckets_and_back_including_negative_ids() {
+        for id in [i64::MIN, -33, -32, -1, 0, 1, 31, 32, 12345, i64::MAX] {
+            let (bucket, slot) = bucket_of(id);
+            assert!(slot < BUCKET_SLOTS);
+            assert_eq!(id_in_bucket(bucket, slot), id);
+        }
+        assert_eq!(bucket_of(-1), (-1, 31));
+        assert_eq!(bucket_of(32), (1, 0));
+    }
+
+    #[test]
+    fn truncated_or_padded_buckets_do_not_decode() {
+        let mut bucket = Bucket::default();
+        bucket.slots[3] = Some(RecordState {
+            hash: hash(9),
+            updated_at: None,
+            seen_epoch: 300,
+            generation: 2,
+        });
+        let mut out = Vec::new();
+        encode_bucket(&bucket, &mut out);
+        assert_eq!(decode_bucket(&out), Some(bucket));
         for len in 0..out.len() {
-            assert_eq!(decode_record(&out[..len]), None, "prefix of {len} bytes");
+            assert_eq!(decode_bucket(&out[..len]), None, "prefix of {len} bytes");
         }
         let mut padded = out.clone();
         padded.push(0);
-        assert_eq!(decode_record(&padded), None);
+        assert_eq!(decode_bucket(&padded), None);
         let mut bad_flags = out.clone();
-        bad_flags[0] = 0x80;
-        assert_eq!(decode_record(&bad_flags), None);
+        bad_flags[4] = 0x80;
+        assert_eq!(decode_bucket(&bad_flags), None);
     }
 
     proptest! {
@@ -281,11 +408,18 @@ mod tests {
         ) {
             let mut out = Vec::new();
             let record = RecordState { hash: ContentHash(h), updated_at, seen_epoch, generation };
-            encode_record(&record, &mut out);
-            prop_assert_eq!(decode_record(&out), Some(record));
+            let mut bucket = full_bucket();
+            bucket.slots[(seen_epoch % 32) as usize] = None;
+            bucket.slots[(generation % 32) as usize] = Some(record);
+            encode_bucket(&bucket, &mut out);
+            prop_assert_eq!(decode_bucket(&out), Some(bucket));
             let intent = Intent { hash: ContentHash(h), updated_at, generation };
-            encode_intent(&intent, &mut out);
-            prop_assert_eq!(decode_intent(&out), Some(intent));
+            let entry = vec![(seen_epoch as i64, intent), (-1, intent)];
+            encode_journal(&entry, &mut out);
+            prop_assert_eq!(decode_journal(&out), Some(entry));
+            for len in 0..out.len() {
+                prop_assert_eq!(decode_journal(&out[..len]), None);
+            }
             let tombstone = Tombstone { generation, last_hash: ContentHash(h), updated_at };
             encode_tombstone(&tombstone, &mut out);
             prop_assert_eq!(decode_tombstone(&out), Some(tombstone));

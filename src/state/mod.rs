@@ -8,6 +8,7 @@
 //! its on-disk layout.
 
 mod codec;
+mod journal;
 mod sled_store;
 
 use std::path::PathBuf;

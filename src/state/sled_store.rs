@@ -7,12 +7,16 @@
 //! deletes) be a single `apply_batch`, which sled applies atomically, without
 //! the cost of cross-tree transactions. See docs/state.md.
 
+use std::collections::btree_map::Entry;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use tempfile::TempDir;
 
-use super::codec::{self, KIND_INTENT, KIND_RECORD, KIND_TOMBSTONE, RECORD_KEY_LEN};
+use super::codec::{self, Bucket, KIND_JOURNAL, KIND_RECORD, KIND_TOMBSTONE};
+use super::journal::{JournalPlan, StreamJournal};
 use super::{Intent, RecordState, StateError, StateStore, StreamState, Tombstone};
 use crate::stream::StreamKey;
 
@@ -39,6 +43,8 @@ pub struct SledStore {
     meta: sled::Tree,
     streams: sled::Tree,
     catalog: sled::Tree,
+    /// In-memory index of each stream's intent journal, loaded on first use.
+    journals: Mutex<HashMap<StreamKey, Arc<Mutex<StreamJournal>>>>,
     path: PathBuf,
     /// Keeps a temporary store's directory alive; dropped after the db.
     _temp_dir: Option<TempDir>,
@@ -94,6 +100,7 @@ impl SledStore {
             streams: tree("streams")?,
             catalog: tree("catalog")?,
             db,
+            journals: Mutex::new(HashMap::new()),
             path: path.to_path_buf(),
             _temp_dir: temp_dir,
         };
@@ -179,6 +186,31 @@ impl SledStore {
         ))
     }
 
+    /// The stream's journal index, loading it from its entries on first use.
+    fn journal(&self, key: StreamKey) -> Result<Arc<Mutex<StreamJournal>>, StateError> {
+        let mut journals = lock(&self.journals);
+        if let Some(journal) = journals.get(&key) {
+            return Ok(journal.clone());
+        }
+        let mut entries = Vec::new();
+        for entry in self.catalog.scan_prefix(codec::prefix(KIND_JOURNAL, key)) {
+            let (k, v) = entry.map_err(|e| self.err(e))?;
+            let seq = codec::journal_seq(&k).ok_or_else(|| self.corrupt_value("journal", &k))?;
+            let intents =
+                codec::decode_journal(&v).ok_or_else(|| self.corrupt_value("journal", &k))?;
+            entries.push((seq, intents));
+        }
+        let (journal, cleanup) = StreamJournal::load(entries);
+        if !cleanup.changes.is_empty() {
+            let mut batch = sled::Batch::default();
+            add_journal_plan(&mut batch, key, &cleanup);
+            self.apply(batch)?;
+        }
+        let journal = Arc::new(Mutex::new(journal));
+        journals.insert(key, journal.clone());
+        Ok(journal)
+    }
+
     fn apply(&self, batch: sled::Batch) -> Result<(), StateError> {
         self.catalog.apply_batch(batch).map_err(|e| self.err(e))
     }
@@ -205,25 +237,49 @@ impl SledStore {
             .collect()
     }
 
-    /// Decodes every entry of one kind in one stream, keeping those `keep` accepts.
-    fn scan<T>(
-        &self,
-        kind: u8,
-        key: StreamKey,
-        what: &str,
-        decode: fn(&[u8]) -> Option<T>,
-        keep: impl Fn(&T) -> bool,
-    ) -> Result<Vec<(i64, T)>, StateError> {
-        let mut out = Vec::new();
-        for entry in self.catalog.scan_prefix(codec::prefix(kind, key)) {
-            let (k, v) = entry.map_err(|e| self.err(e))?;
-            let id = codec::key_id(&k).ok_or_else(|| self.corrupt_value(what, &k))?;
-            let value = decode(&v).ok_or_else(|| self.corrupt_value(what, &k))?;
-            if keep(&value) {
-                out.push((id, value));
+    /// Loads the bucket `bucket` of a stream (empty when absent).
+    fn load_bucket(&self, key: StreamKey, bucket: i64) -> Result<Bucket, StateError> {
+        let k = codec::record_key(KIND_RECORD, key, bucket);
+        match self.catalog.get(k).map_err(|e| self.err(e))? {
+            None => Ok(Bucket::default()),
+            Some(v) => {
+                codec::decode_bucket(&v).ok_or_else(|| self.corrupt_value("record bucket", &k))
             }
         }
-        Ok(out)
+    }
+
+    /// The bucket holding `id`, loaded into `buckets` on first use, and the id's slot.
+    fn bucket_for<'b>(
+        &self,
+        buckets: &'b mut BTreeMap<i64, Bucket>,
+        key: StreamKey,
+        id: i64,
+    ) -> Result<(&'b mut Bucket, usize), StateError> {
+        let (bucket, slot) = codec::bucket_of(id);
+        let loaded = match buckets.entry(bucket) {
+            Entry::Occupied(entry) => entry.into_mut(),
+            Entry::Vacant(entry) => entry.insert(self.load_bucket(key, bucket)?),
+        };
+        Ok((loaded, slot))
+    }
+
+    /// Adds the write (or removal, when empty) of each `dirty` bucket to `batch`.
+    fn write_buckets(
+        batch: &mut sled::Batch,
+        key: StreamKey,
+        buckets: &BTreeMap<i64, Bucket>,
+        dirty: &BTreeSet<i64>,
+    ) {
+        let mut value = Vec::with_capacity(4 + 32 * 27);
+        for (number, bucket) in buckets.iter().filter(|(n, _)| dirty.contains(n)) {
+            let k = codec::record_key(KIND_RECORD, key, *number);
+            if bucket.len() == 0 {
+                batch.remove(&k[..]);
+            } else {
+                codec::encode_bucket(bucket, &mut value);
+                batch.insert(&k[..], &value[..]);
+            }
+        }
     }
 }
 
@@ -269,7 +325,13 @@ impl StateStore for SledStore {
         key: StreamKey,
         ids: &[i64],
     ) -> Result<Vec<Option<RecordState>>, StateError> {
-        self.get_many(KIND_RECORD, key, ids, "record", codec::decode_record)
+        let mut buckets = BTreeMap::new();
+        let mut out = Vec::with_capacity(ids.len());
+        for &id in ids {
+            let (bucket, slot) = self.bucket_for(&mut buckets, key, id)?;
+            out.push(bucket.slots[slot]);
+        }
+        Ok(out)
     }
 
     fn get_tombstones(
@@ -290,17 +352,20 @@ impl StateStore for SledStore {
         if intents.is_empty() {
             return Ok(());
         }
+        let journal = self.journal(key)?;
+        let mut journal = lock(&journal);
+        let (plan, _seq) = journal.plan_append(intents);
         let mut batch = sled::Batch::default();
-        let mut value = Vec::with_capacity(32);
-        for (id, intent) in intents {
-            codec::encode_intent(intent, &mut value);
-            batch.insert(&codec::record_key(KIND_INTENT, key, *id)[..], &value[..]);
-        }
-        self.apply(batch)
+        add_journal_plan(&mut batch, key, &plan);
+        self.apply(batch)?;
+        journal.apply(&plan);
+        Ok(())
     }
 
     fn pending_intents(&self, key: StreamKey) -> Result<Vec<(i64, Intent)>, StateError> {
-        self.scan(KIND_INTENT, key, "intent", codec::decode_intent, |_| true)
+        let journal = self.journal(key)?;
+        let pending = lock(&journal).pending();
+        Ok(pending)
     }
 
     fn commit_page(
@@ -310,30 +375,34 @@ impl StateStore for SledStore {
         seen: &[i64],
         epoch: u64,
     ) -> Result<(), StateError> {
+        let journal = self.journal(key)?;
+        let mut journal = lock(&journal);
+        let plan = journal.plan_removal(commits.iter().map(|(id, _)| *id));
         let mut batch = sled::Batch::default();
-        let mut value = Vec::with_capacity(32);
+        add_journal_plan(&mut batch, key, &plan);
+        let mut buckets = BTreeMap::new();
+        let mut dirty = BTreeSet::new();
         for (id, record) in commits {
-            codec::encode_record(record, &mut value);
-            batch.insert(&codec::record_key(KIND_RECORD, key, *id)[..], &value[..]);
-            self.remove_if_present(&mut batch, codec::record_key(KIND_INTENT, key, *id))?;
-            self.remove_if_present(&mut batch, codec::record_key(KIND_TOMBSTONE, key, *id))?;
+            let (bucket, slot) = self.bucket_for(&mut buckets, key, *id)?;
+            bucket.slots[slot] = Some(*record);
+            dirty.insert(codec::bucket_of(*id).0);
+            // Removing an absent key is a no-op in sled (nothing is logged).
+            batch.remove(&codec::record_key(KIND_TOMBSTONE, key, *id)[..]);
         }
-        let committed = |id: &i64| commits.iter().any(|(c, _)| c == id);
-        for id in seen.iter().filter(|id| !committed(id)) {
-            let k = codec::record_key(KIND_RECORD, key, *id);
-            let Some(bytes) = self.catalog.get(k).map_err(|e| self.err(e))? else {
-                continue;
-            };
-            let mut record =
-                codec::decode_record(&bytes).ok_or_else(|| self.corrupt_value("record", &k))?;
-            if record.seen_epoch == epoch {
-                continue;
+        let committed: HashSet<i64> = commits.iter().map(|(id, _)| *id).collect();
+        for id in seen.iter().filter(|id| !committed.contains(id)) {
+            let (bucket, slot) = self.bucket_for(&mut buckets, key, *id)?;
+            if let Some(record) = bucket.slots[slot].as_mut() {
+                if record.seen_epoch != epoch {
+                    record.seen_epoch = epoch;
+                    dirty.insert(codec::bucket_of(*id).0);
+                }
             }
-            record.seen_epoch = epoch;
-            codec::encode_record(&record, &mut value);
-            batch.insert(&k[..], &value[..]);
         }
-        self.apply(batch)
+        Self::write_buckets(&mut batch, key, &buckets, &dirty);
+        self.apply(batch)?;
+        journal.apply(&plan);
+        Ok(())
     }
 
     fn unseen_records(
@@ -341,16 +410,29 @@ impl StateStore for SledStore {
         key: StreamKey,
         epoch: u64,
     ) -> Result<Vec<(i64, RecordState)>, StateError> {
-        self.scan(KIND_RECORD, key, "record", codec::decode_record, |r| {
-            r.seen_epoch < epoch
-        })
+        let mut out = Vec::new();
+        for entry in self.catalog.scan_prefix(codec::prefix(KIND_RECORD, key)) {
+            let (k, v) = entry.map_err(|e| self.err(e))?;
+            let number =
+                codec::key_id(&k).ok_or_else(|| self.corrupt_value("record bucket", &k))?;
+            let bucket =
+                codec::decode_bucket(&v).ok_or_else(|| self.corrupt_value("record bucket", &k))?;
+            for (slot, record) in bucket.slots.iter().enumerate() {
+                if let Some(record) = record.filter(|r| r.seen_epoch < epoch) {
+                    out.push((codec::id_in_bucket(number, slot), record));
+                }
+            }
+        }
+        Ok(out)
     }
 
     fn record_count(&self, key: StreamKey) -> Result<u64, StateError> {
         let mut count = 0u64;
         for entry in self.catalog.scan_prefix(codec::prefix(KIND_RECORD, key)) {
-            entry.map_err(|e| self.err(e))?;
-            count += 1;
+            let (k, v) = entry.map_err(|e| self.err(e))?;
+            let len =
+                codec::bucket_len(&v).ok_or_else(|| self.corrupt_value("record bucket", &k))?;
+            count += u64::from(len);
         }
         Ok(count)
     }
@@ -363,15 +445,26 @@ impl StateStore for SledStore {
         if deletes.is_empty() {
             return Ok(());
         }
+        let journal = self.journal(key)?;
+        let mut journal = lock(&journal);
+        let plan = journal.plan_removal(deletes.iter().map(|(id, _)| *id));
         let mut batch = sled::Batch::default();
+        add_journal_plan(&mut batch, key, &plan);
+        let mut buckets = BTreeMap::new();
+        let mut dirty = BTreeSet::new();
         let mut value = Vec::with_capacity(32);
         for (id, tombstone) in deletes {
-            batch.remove(&codec::record_key(KIND_RECORD, key, *id)[..]);
-            self.remove_if_present(&mut batch, codec::record_key(KIND_INTENT, key, *id))?;
+            let (bucket, slot) = self.bucket_for(&mut buckets, key, *id)?;
+            if bucket.slots[slot].take().is_some() {
+                dirty.insert(codec::bucket_of(*id).0);
+            }
             codec::encode_tombstone(tombstone, &mut value);
             batch.insert(&codec::record_key(KIND_TOMBSTONE, key, *id)[..], &value[..]);
         }
-        self.apply(batch)
+        Self::write_buckets(&mut batch, key, &buckets, &dirty);
+        self.apply(batch)?;
+        journal.apply(&plan);
+        Ok(())
     }
 
     fn flush(&self) -> Result<(), StateError> {
@@ -380,19 +473,27 @@ impl StateStore for SledStore {
     }
 }
 
-impl SledStore {
-    /// Adds a removal to `batch` only when the key exists: removals of absent
-    /// keys would still cost log space in sled.
-    fn remove_if_present(
-        &self,
-        batch: &mut sled::Batch,
-        k: [u8; RECORD_KEY_LEN],
-    ) -> Result<(), StateError> {
-        if self.catalog.contains_key(k).map_err(|e| self.err(e))? {
-            batch.remove(&k[..]);
+/// Adds the journal entry writes and removals of `plan` to `batch`.
+fn add_journal_plan(batch: &mut sled::Batch, key: StreamKey, plan: &JournalPlan) {
+    let mut value = Vec::new();
+    for (seq, contents) in &plan.changes {
+        let k = codec::journal_key(key, *seq);
+        match contents {
+            Some(intents) if !intents.is_empty() => {
+                codec::encode_journal(intents, &mut value);
+                batch.insert(&k[..], &value[..]);
+            }
+            _ => batch.remove(&k[..]),
         }
-        Ok(())
     }
+}
+
+/// Locks a mutex; a panic elsewhere never leaves these indexes half-updated
+/// (plans are applied only after their batch succeeded, without panicking).
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Reads the layout marker: None when absent, an error when unknown or unreadable.
@@ -629,6 +730,52 @@ mod tests {
     }
 
     #[test]
+    fn a_partly_committed_intent_batch_keeps_the_rest_pending_across_reopens() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = open(&dir);
+            store
+                .write_intents(VOUCHERS, &[(1, intent(1)), (2, intent(2)), (3, intent(3))])
+                .unwrap();
+            // Record 3 is journalled again by a later batch: only the newest counts.
+            store
+                .write_intents(VOUCHERS, &[(3, intent(33)), (4, intent(4))])
+                .unwrap();
+            store.write_intents(CATEGORIES, &[(1, intent(9))]).unwrap();
+            store
+                .commit_page(VOUCHERS, &[(1, record(1, 0))], &[], 0)
+                .unwrap();
+            store
+                .commit_deletes(VOUCHERS, &[(4, tombstone(4, 1))])
+                .unwrap();
+            assert_eq!(
+                store.pending_intents(VOUCHERS).unwrap(),
+                vec![(2, intent(2)), (3, intent(33))]
+            );
+            store.flush().unwrap();
+        }
+        let store = open(&dir);
+        assert_eq!(
+            store.pending_intents(VOUCHERS).unwrap(),
+            vec![(2, intent(2)), (3, intent(33))]
+        );
+        assert_eq!(
+            store.pending_intents(CATEGORIES).unwrap(),
+            vec![(1, intent(9))]
+        );
+        store
+            .commit_page(VOUCHERS, &[(2, record(2, 0)), (3, record(3, 0))], &[], 0)
+            .unwrap();
+        assert!(store.pending_intents(VOUCHERS).unwrap().is_empty());
+        // No journal entry is left behind once every intent was cleared.
+        let entries = store
+            .catalog
+            .scan_prefix(codec::prefix(KIND_JOURNAL, VOUCHERS))
+            .count();
+        assert_eq!(entries, 0);
+    }
+
+    #[test]
     fn seen_ids_get_the_epoch_only_when_they_exist_and_commits_win_over_seen() {
         let store = SledStore::open_temporary().unwrap();
         store
@@ -684,6 +831,36 @@ mod tests {
             .commit_page(VOUCHERS, &[(1, record(1, 0))], &[], 0)
             .unwrap();
         assert_eq!(store.get_tombstones(VOUCHERS, &[1]).unwrap(), vec![None]);
+    }
+
+    #[test]
+    fn records_on_both_sides_of_a_bucket_boundary_are_independent() {
+        let store = SledStore::open_temporary().unwrap();
+        let ids = [-33, -32, -1, 0, 31, 32, 33, 64];
+        let commits: Vec<_> = ids.iter().map(|&id| (id, record(id as u8, 0))).collect();
+        store.commit_page(VOUCHERS, &commits, &[], 0).unwrap();
+        store
+            .commit_deletes(
+                VOUCHERS,
+                &[
+                    (32, tombstone(1, 1)),
+                    (33, tombstone(1, 1)),
+                    (-1, tombstone(1, 1)),
+                ],
+            )
+            .unwrap();
+        let expected: Vec<_> = ids
+            .iter()
+            .map(|&id| (![32, 33, -1].contains(&id)).then(|| record(id as u8, 0)))
+            .collect();
+        assert_eq!(store.get_records(VOUCHERS, &ids).unwrap(), expected);
+        assert_eq!(store.record_count(VOUCHERS).unwrap(), 5);
+        // The bucket of 32..63 is empty now and takes no entry.
+        let buckets = store
+            .catalog
+            .scan_prefix(codec::prefix(KIND_RECORD, VOUCHERS))
+            .count();
+        assert_eq!(buckets, 4);
     }
 
     #[test]
@@ -928,12 +1105,12 @@ mod tests {
     #[test]
     fn an_undecodable_value_is_reported_with_its_key() {
         let store = SledStore::open_temporary().unwrap();
-        let key = codec::record_key(KIND_RECORD, VOUCHERS, 5);
+        let key = codec::record_key(KIND_RECORD, VOUCHERS, codec::bucket_of(5).0);
         store.catalog.insert(key, &b"xx"[..]).unwrap();
         let err = store.get_records(VOUCHERS, &[5]).unwrap_err().to_string();
         assert!(
             err.contains(&format!(
-                "undecodable record value under key {}",
+                "undecodable record bucket value under key {}",
                 hex::encode(key)
             )),
             "{err}"

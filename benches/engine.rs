@@ -1,0 +1,445 @@
+//! Engine benchmarks: content hashing, the per-page diff + state commit path,
+//! and (with `-- --footprint`) the state's size on disk and the process RSS
+//! after syncing 10k / 100k / 300k records.
+//!
+//! ```text
+//! cargo bench --bench engine                 # criterion: hash, page commit, scans
+//! cargo bench --bench engine -- --footprint  # disk bytes per record and RSS
+//! cargo bench --bench engine -- --footprint 1000000,3000000
+//! cargo bench --bench engine -- --cpu        # records per CPU-second (shared machines)
+//! ```
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use criterion::{BenchmarkId, Criterion, Throughput};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::json;
+
+use voucher_cdc::diff::{content_hash, decide, Decision, IgnoreKeys, SweepMode};
+use voucher_cdc::state::{Intent, RecordState, SledStore, StateStore};
+use voucher_cdc::stream::{Resource, StreamKey};
+
+const STREAM: StreamKey = StreamKey {
+    tenant: 42,
+    resource: Resource::Vouchers,
+};
+/// The upstream page size (fixed by the API).
+const PAGE: usize = 50;
+/// Distinct record bodies generated; ids beyond reuse them with another id.
+const BODIES: usize = 2_000;
+
+/// A realistic catalog voucher as the list endpoint returns it with
+/// `include=categories,variants` (about 1.5 KB).
+fn voucher_json(id: i64, version: u32) -> String {
+    let mut rng = StdRng::seed_from_u64(id as u64);
+    let price = f64::from(rng.random_range(5..300u32)) + if version % 2 == 0 { 0.0 } else { 0.5 };
+    let category = |n: u32| json!({"id": n, "slug": format!("category-{n}"), "title": format!("Category {n}"), "sort_order": n % 7});
+    let variant = |n: u32, rng: &mut StdRng| {
+        json!({
+            "id": id * 10 + i64::from(n),
+            "slug": format!("variant-{id}-{n}"),
+            "title": format!("Option {n} for two people"),
+            "price": price + f64::from(n) * 10.0,
+            "sale_price": if rng.random_bool(0.3) { json!(price) } else { json!(null) },
+            "currency": "GBP",
+            "is_monetary": false,
+            "sort_order": n,
+            "updated_at": "2024-05-01T10:00:00.000000Z",
+        })
+    };
+    let categories: Vec<_> = (0..rng.random_range(1..4u32))
+        .map(|n| category(id as u32 % 40 + n))
+        .collect();
+    let variants: Vec<_> = (0..rng.random_range(1..4u32))
+        .map(|n| variant(n, &mut rng))
+        .collect();
+    json!({
+        "id": id,
+        "slug": format!("spa-day-for-two-{id}"),
+        "title": format!("Spa Day for Two with Afternoon Tea #{id}"),
+        "summary": "A relaxing day at the spa with full access to the thermal suite, a 25 minute treatment and afternoon tea.",
+        "description_html": "<p>Escape the everyday with a spa day for two.</p><ul><li>Thermal suite</li><li>25 minute treatment each</li><li>Afternoon tea</li></ul>",
+        "currency": "GBP",
+        "price": price,
+        "sale_price": null,
+        "from_price": price,
+        "from_sale_price": null,
+        "monetary_value": null,
+        "is_monetary": false,
+        "allow_part_redeem": false,
+        "validity_type": "months",
+        "validity_months": 12,
+        "redemption_info": "Book directly with the venue quoting your voucher code.",
+        "sort_order": id % 100,
+        "image_url": format!("https://cdn.example.com/vouchers/{id}/main.jpg"),
+        "image_urls": [format!("https://cdn.example.com/vouchers/{id}/1.jpg"), format!("https://cdn.example.com/vouchers/{id}/2.jpg")],
+        "category_refs": categories,
+        "variant_summaries": variants,
+        "categories": categories,
+        "variants": variants,
+        "updated_at": "2024-05-01T10:00:00.000000Z",
+    })
+    .to_string()
+}
+
+/// Record bodies, two versions each so that alternating them is always a change.
+fn bodies() -> Vec<[String; 2]> {
+    (0..BODIES as i64)
+        .map(|id| [voucher_json(id, 0), voucher_json(id, 1)])
+        .collect()
+}
+
+/// What the sweep does with one page: hash, read known state, decide, journal
+/// intents, (publish would happen here), commit hashes and seen epochs.
+/// Returns how many records were emitted.
+fn sweep_page(
+    store: &SledStore,
+    ignore: &IgnoreKeys,
+    ids: &[i64],
+    texts: &[&str],
+    mode: SweepMode,
+    epoch: u64,
+) -> usize {
+    let hashes: Vec<_> = texts
+        .iter()
+        .map(|t| content_hash(t, ignore).expect("generated json is valid"))
+        .collect();
+    let known = store.get_records(STREAM, ids).expect("get_records");
+    let mut intents = Vec::new();
+    let mut commits = Vec::new();
+    let mut seen = Vec::new();
+    for ((id, hash), known) in ids.iter().zip(&hashes).zip(&known) {
+        match decide(known.map(|k| k.hash), *hash, mode) {
+            Decision::Unchanged => seen.push(*id),
+            Decision::Emit { .. } => {
+                let updated_at = Some(1_714_557_600_000_000);
+                let generation = known.map_or(0, |k| k.generation);
+                intents.push((
+                    *id,
+                    Intent {
+                        hash: *hash,
+                        updated_at,
+                        generation,
+                    },
+                ));
+                commits.push((
+                    *id,
+                    RecordState {
+                        hash: *hash,
+                        updated_at,
+                        seen_epoch: epoch,
+                        generation,
+                    },
+                ));
+            }
+        }
+    }
+    store
+        .write_intents(STREAM, &intents)
+        .expect("write_intents");
+    store
+        .commit_page(STREAM, &commits, &seen, epoch)
+        .expect("commit_page");
+    commits.len()
+}
+
+/// Syncs ids `0..n` (first sync), page by page.
+fn initial_sync(store: &SledStore, bodies: &[[String; 2]], n: usize) {
+    let ignore = IgnoreKeys::default();
+    let ids: Vec<i64> = (0..n as i64).collect();
+    for page in ids.chunks(PAGE) {
+        let texts: Vec<&str> = page
+            .iter()
+            .map(|&id| bodies[id as usize % BODIES][0].as_str())
+            .collect();
+        sweep_page(store, &ignore, page, &texts, SweepMode::FirstSync, 1);
+    }
+}
+
+fn bench_hash(c: &mut Criterion, bodies: &[[String; 2]]) {
+    let ignore = IgnoreKeys::default();
+    let total: usize = bodies.iter().map(|b| b[0].len()).sum();
+    let mut group = c.benchmark_group("content_hash");
+    group.throughput(Throughput::Bytes((total / bodies.len()) as u64));
+    let mut i = 0;
+    group.bench_function("voucher_record", |b| {
+        b.iter(|| {
+            i = (i + 1) % bodies.len();
+            content_hash(&bodies[i][0], &ignore).expect("valid")
+        })
+    });
+    group.finish();
+}
+
+fn bench_pages(c: &mut Criterion, bodies: &[[String; 2]]) {
+    const KNOWN: usize = 100_000;
+    let store = SledStore::open_temporary().expect("temporary store");
+    initial_sync(&store, bodies, KNOWN);
+    let ignore = IgnoreKeys::default();
+    let mut group = c.benchmark_group("sweep_page");
+    group.throughput(Throughput::Elements(PAGE as u64));
+    group.measurement_time(Duration::from_secs(10));
+
+    // Every record of the page changed: hash, get, decide, intents, commit.
+    let mut round = 0usize;
+    group.bench_function(BenchmarkId::new("changed", KNOWN), |b| {
+        b.iter(|| {
+            round += 1;
+            let first = (round * PAGE) % KNOWN;
+            let version = ((round * PAGE / KNOWN) % 2) ^ 1;
+            let ids: Vec<i64> = (first..first + PAGE).map(|i| i as i64).collect();
+            let texts: Vec<&str> = ids
+                .iter()
+                .map(|&id| bodies[id as usize % BODIES][version].as_str())
+                .collect();
+            sweep_page(&store, &ignore, &ids, &texts, SweepMode::Normal, 1)
+        })
+    });
+
+    // A full sweep over unchanged records: hash, get, decide, seen-epoch update.
+    let fresh = SledStore::open_temporary().expect("temporary store");
+    initial_sync(&fresh, bodies, KNOWN);
+    let mut round = 0usize;
+    group.bench_function(BenchmarkId::new("unchanged_full_sweep", KNOWN), |b| {
+        b.iter(|| {
+            round += 1;
+            let first = (round * PAGE) % KNOWN;
+            let epoch = 2 + (round * PAGE / KNOWN) as u64;
+            let ids: Vec<i64> = (first..first + PAGE).map(|i| i as i64).collect();
+            let texts: Vec<&str> = ids
+                .iter()
+                .map(|&id| bodies[id as usize % BODIES][0].as_str())
+                .collect();
+            sweep_page(&fresh, &ignore, &ids, &texts, SweepMode::Normal, epoch)
+        })
+    });
+    group.finish();
+
+    let mut group = c.benchmark_group("state_scan");
+    group.throughput(Throughput::Elements(KNOWN as u64));
+    group.bench_function(BenchmarkId::new("record_count", KNOWN), |b| {
+        b.iter(|| fresh.record_count(STREAM).expect("count"))
+    });
+    group.bench_function(BenchmarkId::new("unseen_records_none", KNOWN), |b| {
+        b.iter(|| fresh.unseen_records(STREAM, 0).expect("unseen").len())
+    });
+    group.finish();
+}
+
+/// Sum of the apparent sizes and of the allocated blocks of every file under `dir`.
+fn dir_size(dir: &Path) -> (u64, u64) {
+    use std::os::unix::fs::MetadataExt;
+    let mut apparent = 0;
+    let mut allocated = 0;
+    for entry in std::fs::read_dir(dir).expect("read_dir").flatten() {
+        let meta = entry.metadata().expect("metadata");
+        if meta.is_dir() {
+            let (a, b) = dir_size(&entry.path());
+            apparent += a;
+            allocated += b;
+        } else {
+            apparent += meta.len();
+            allocated += meta.blocks() * 512;
+        }
+    }
+    (apparent, allocated)
+}
+
+/// Current and peak resident set size in KiB, from /proc/self/status.
+fn rss_kib() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// One footprint measurement in a fresh process: sync `n` records, run one
+/// full sweep over them, and report disk and memory.
+fn footprint_child(n: usize) {
+    let bodies = bodies();
+    let (rss_start, _) = rss_kib();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("state");
+    let store = SledStore::open(&path).expect("open");
+    let started = Instant::now();
+    initial_sync(&store, &bodies, n);
+    store.flush().expect("flush");
+    let sync_secs = started.elapsed().as_secs_f64();
+    let (after_sync, alloc_sync) = dir_size(&path);
+    let (rss_sync, _) = rss_kib();
+
+    // One full sweep: every record unchanged, seen epoch bumped.
+    let ignore = IgnoreKeys::default();
+    let ids: Vec<i64> = (0..n as i64).collect();
+    let started = Instant::now();
+    for page in ids.chunks(PAGE) {
+        let texts: Vec<&str> = page
+            .iter()
+            .map(|&id| bodies[id as usize % BODIES][0].as_str())
+            .collect();
+        sweep_page(&store, &ignore, page, &texts, SweepMode::Normal, 2);
+    }
+    store.flush().expect("flush");
+    let sweep_secs = started.elapsed().as_secs_f64();
+    drop(store);
+    // Reopen: what the store occupies once sled has settled.
+    let store = SledStore::open(&path).expect("reopen");
+    assert_eq!(store.record_count(STREAM).expect("count"), n as u64);
+    drop(store);
+    let (after_sweep, alloc_sweep) = dir_size(&path);
+    let (rss_end, rss_peak) = rss_kib();
+    println!(
+        "{n:>8} | {:>9.0} | {:>9.0} | {:>8.1} | {:>8.1} | {:>8.1} | {:>8.1} | {:>7} | {:>7} | {:>7} | {:>7}",
+        n as f64 / sync_secs,
+        n as f64 / sweep_secs,
+        after_sync as f64 / n as f64,
+        alloc_sync as f64 / n as f64,
+        after_sweep as f64 / n as f64,
+        alloc_sweep as f64 / n as f64,
+        rss_start / 1024,
+        rss_sync / 1024,
+        rss_end / 1024,
+        rss_peak / 1024,
+    );
+}
+
+fn footprint(sizes: &[usize]) {
+    println!("records  | sync r/s  | sweep r/s | B/rec    | B/rec    | B/rec    | B/rec    | RSS MiB | RSS MiB | RSS MiB | RSS MiB");
+    println!("         | (1st sync)| (full)    | sync app | sync alc | sweep app| sweep alc| start   | synced  | end     | peak");
+    let exe = std::env::current_exe().expect("current_exe");
+    for n in sizes {
+        let status = std::process::Command::new(&exe)
+            .args(["--footprint-child", &n.to_string()])
+            .status()
+            .expect("spawn footprint child");
+        assert!(status.success(), "footprint child for {n} failed");
+    }
+}
+
+/// CPU time consumed so far by every thread of this process, from /proc.
+fn process_cpu_time() -> Duration {
+    let mut total = 0u64;
+    if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
+        for task in tasks.flatten() {
+            let stat = std::fs::read_to_string(task.path().join("schedstat")).unwrap_or_default();
+            total += stat
+                .split_whitespace()
+                .next()
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    Duration::from_nanos(total)
+}
+
+/// Hashes and syncs with timing by CPU time (the machine may be shared):
+/// records per CPU-second of the whole process, sled's threads included.
+fn cpu_rates(n: usize) {
+    let bodies = bodies();
+    let ignore = IgnoreKeys::default();
+    let cpu = process_cpu_time();
+    let wall = Instant::now();
+    let mut hashed = 0usize;
+    while hashed < n {
+        for body in &bodies {
+            std::hint::black_box(content_hash(&body[0], &ignore).expect("valid"));
+        }
+        hashed += bodies.len();
+    }
+    let hash_cpu = (process_cpu_time() - cpu).as_secs_f64();
+    let avg_len = bodies.iter().map(|b| b[0].len()).sum::<usize>() / bodies.len();
+    println!(
+        "content_hash: {:.2} us/record CPU ({:.0} records/s, {:.0} MiB/s, avg record {avg_len} B; wall {:.2} s)",
+        hash_cpu * 1e6 / hashed as f64,
+        hashed as f64 / hash_cpu,
+        (hashed * avg_len) as f64 / hash_cpu / (1024.0 * 1024.0),
+        wall.elapsed().as_secs_f64()
+    );
+
+    // Context: the same records through plain blake3 and serde_json.
+    let cpu = process_cpu_time();
+    for body in &bodies {
+        std::hint::black_box(blake3::hash(body[0].as_bytes()));
+    }
+    let blake3_cpu = (process_cpu_time() - cpu).as_secs_f64();
+    let cpu = process_cpu_time();
+    for body in &bodies {
+        std::hint::black_box(serde_json::from_str::<serde_json::Value>(&body[0]).expect("valid"));
+    }
+    let serde_cpu = (process_cpu_time() - cpu).as_secs_f64();
+    println!(
+        "context: blake3 alone {:.2} us/record, serde_json::Value parse {:.2} us/record",
+        blake3_cpu * 1e6 / bodies.len() as f64,
+        serde_cpu * 1e6 / bodies.len() as f64
+    );
+
+    let store = SledStore::open_temporary().expect("temporary store");
+    let cpu = process_cpu_time();
+    let wall = Instant::now();
+    initial_sync(&store, &bodies, n);
+    store.flush().expect("flush");
+    let sync_cpu = (process_cpu_time() - cpu).as_secs_f64();
+    println!(
+        "first sync of {n}: {:.0} records per CPU-second (hash + get + decide + intents + commit; wall {:.2} s)",
+        n as f64 / sync_cpu,
+        wall.elapsed().as_secs_f64()
+    );
+    let ids: Vec<i64> = (0..n as i64).collect();
+    for (label, version, epoch) in [("changed", 1usize, 1u64), ("unchanged full sweep", 1, 2)] {
+        let cpu = process_cpu_time();
+        let wall = Instant::now();
+        for page in ids.chunks(PAGE) {
+            let texts: Vec<&str> = page
+                .iter()
+                .map(|&id| bodies[id as usize % BODIES][version].as_str())
+                .collect();
+            sweep_page(&store, &ignore, page, &texts, SweepMode::Normal, epoch);
+        }
+        store.flush().expect("flush");
+        let secs = (process_cpu_time() - cpu).as_secs_f64();
+        println!(
+            "{label} sweep of {n}: {:.0} records per CPU-second (wall {:.2} s)",
+            n as f64 / secs,
+            wall.elapsed().as_secs_f64()
+        );
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|a| a == "--cpu") {
+        cpu_rates(100_000);
+        return;
+    }
+    if let Some(pos) = args.iter().position(|a| a == "--footprint-child") {
+        let n = args
+            .get(pos + 1)
+            .and_then(|v| v.parse().ok())
+            .expect("--footprint-child N");
+        footprint_child(n);
+        return;
+    }
+    if let Some(pos) = args.iter().position(|a| a == "--footprint") {
+        // Optional comma-separated sizes, e.g. `--footprint 1000000,3000000`.
+        let sizes: Vec<usize> = args
+            .get(pos + 1)
+            .map(|list| list.split(',').filter_map(|n| n.parse().ok()).collect())
+            .filter(|sizes: &Vec<usize>| !sizes.is_empty())
+            .unwrap_or_else(|| vec![10_000, 100_000, 300_000]);
+        footprint(&sizes);
+        return;
+    }
+    let bodies = bodies();
+    let mut c = Criterion::default().configure_from_args();
+    bench_hash(&mut c, &bodies);
+    bench_pages(&mut c, &bodies);
+    c.final_summary();
+}

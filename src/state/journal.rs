@@ -1,0 +1,182 @@
+//! The intent journal of one stream, as held in memory beside its sled entries.
+//!
+//! Journalling one sled entry per publish batch (instead of one key per
+//! record) turns the per-record cost of an intent from an insert plus a
+//! remove into a share of one insert and one remove per page, which is most
+//! of the commit path's write volume. The in-memory index tells a commit which
+//! entries hold the ids it clears; it only ever holds pending intents, so it
+//! is as small as the pages in flight. Every change is planned first, written
+//! as part of one sled batch, and applied to memory only after the batch
+//! succeeded.
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::Intent;
+
+/// Pending intents of one stream, by journal entry.
+#[derive(Debug, Default)]
+pub(crate) struct StreamJournal {
+    /// Entry sequence number to the intents it still holds.
+    entries: BTreeMap<u64, Vec<(i64, Intent)>>,
+    /// Record id to the entry holding its (newest) intent.
+    by_id: HashMap<i64, u64>,
+}
+
+/// Entries to rewrite (`Some`) or remove (`None`), plus an optional new entry.
+#[derive(Debug, Default)]
+pub(crate) struct JournalPlan {
+    /// Entry sequence number to its new contents; None (or empty) removes it.
+    pub(crate) changes: BTreeMap<u64, Option<Vec<(i64, Intent)>>>,
+}
+
+impl StreamJournal {
+    /// Rebuilds the index from the entries found on disk, in sequence order.
+    ///
+    /// Batches keep every id in at most one entry; should an id appear in
+    /// several anyway, the newest entry wins and the older ones are scheduled
+    /// for rewriting (returned as a plan to apply with the next batch).
+    pub(crate) fn load(entries: Vec<(u64, Vec<(i64, Intent)>)>) -> (StreamJournal, JournalPlan) {
+        let mut journal = StreamJournal::default();
+        let mut plan = JournalPlan::default();
+        for (seq, intents) in entries {
+            let stale: Vec<i64> = intents
+                .iter()
+                .map(|(id, _)| *id)
+                .filter(|id| journal.by_id.contains_key(id))
+                .collect();
+            if !stale.is_empty() {
+                let cleanup = journal.plan_removal(stale.iter().copied());
+                journal.apply(&cleanup);
+                plan.changes.extend(cleanup.changes);
+            }
+            for (id, _) in &intents {
+                journal.by_id.insert(*id, seq);
+            }
+            journal.entries.insert(seq, intents);
+        }
+        (journal, plan)
+    }
+
+    /// Sequence number for the next entry.
+    pub(crate) fn next_seq(&self) -> u64 {
+        self.entries
+            .last_key_value()
+            .map_or(0, |(seq, _)| seq.saturating_add(1))
+    }
+
+    /// Every pending intent, by id.
+    pub(crate) fn pending(&self) -> Vec<(i64, Intent)> {
+        let mut out: Vec<(i64, Intent)> = self.entries.values().flatten().copied().collect();
+        out.sort_by_key(|(id, _)| *id);
+        out
+    }
+
+    /// Plans taking `ids` out of the entries that hold them.
+    pub(crate) fn plan_removal(&self, ids: impl Iterator<Item = i64>) -> JournalPlan {
+        let mut plan = JournalPlan::default();
+        for id in ids {
+            let Some(&seq) = self.by_id.get(&id) else {
+                continue;
+            };
+            let slot = plan
+                .changes
+                .entry(seq)
+                .or_insert_with(|| self.entries.get(&seq).cloned());
+            if let Some(intents) = slot {
+                intents.retain(|(i, _)| *i != id);
+            }
+        }
+        for slot in plan.changes.values_mut() {
+            if slot.as_ref().is_some_and(Vec::is_empty) {
+                *slot = None;
+            }
+        }
+        plan
+    }
+
+    /// Plans a new entry for `intents` (last intent per id wins), taking those
+    /// ids out of older entries. Returns the plan and the new entry's sequence.
+    pub(crate) fn plan_append(&self, intents: &[(i64, Intent)]) -> (JournalPlan, u64) {
+        let mut position: HashMap<i64, usize> = HashMap::with_capacity(intents.len());
+        let mut entry: Vec<(i64, Intent)> = Vec::with_capacity(intents.len());
+        for &(id, intent) in intents {
+            match position.get(&id) {
+                Some(&i) => entry[i] = (id, intent),
+                None => {
+                    position.insert(id, entry.len());
+                    entry.push((id, intent));
+                }
+            }
+        }
+        let seq = self.next_seq();
+        let mut plan = self.plan_removal(entry.iter().map(|(id, _)| *id));
+        plan.changes.insert(seq, Some(entry));
+        (plan, seq)
+    }
+
+    /// Applies a plan whose batch was written.
+    pub(crate) fn apply(&mut self, plan: &JournalPlan) {
+        for (seq, contents) in &plan.changes {
+            if let Some(old) = self.entries.remove(seq) {
+                for (id, _) in old {
+                    if self.by_id.get(&id) == Some(seq) {
+                        self.by_id.remove(&id);
+                    }
+                }
+            }
+            if let Some(intents) = contents {
+                for (id, _) in intents {
+                    self.by_id.insert(*id, *seq);
+                }
+                self.entries.insert(*seq, intents.clone());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::diff::ContentHash;
+
+    fn intent(byte: u8) -> Intent {
+        Intent {
+            hash: ContentHash([byte; 16]),
+            updated_at: None,
+            generation: 0,
+        }
+    }
+
+    #[test]
+    fn appending_moves_ids_out_of_older_entries_and_removing_the_last_id_drops_the_entry() {
+        let mut journal = StreamJournal::default();
+        let (plan, first) = journal.plan_append(&[(1, intent(1)), (2, intent(2)), (1, intent(3))]);
+        journal.apply(&plan);
+        assert_eq!(first, 0);
+        assert_eq!(journal.pending(), vec![(1, intent(3)), (2, intent(2))]);
+
+        let (plan, second) = journal.plan_append(&[(2, intent(4))]);
+        assert_eq!(second, 1);
+        assert_eq!(plan.changes.get(&0), Some(&Some(vec![(1, intent(3))])));
+        journal.apply(&plan);
+        assert_eq!(journal.pending(), vec![(1, intent(3)), (2, intent(4))]);
+
+        let plan = journal.plan_removal([1, 99].into_iter());
+        assert_eq!(plan.changes.len(), 1);
+        assert_eq!(plan.changes.get(&0), Some(&None));
+        journal.apply(&plan);
+        assert_eq!(journal.pending(), vec![(2, intent(4))]);
+        assert_eq!(journal.next_seq(), 2);
+    }
+
+    #[test]
+    fn loading_duplicated_ids_keeps_the_newest_and_plans_the_cleanup() {
+        let (journal, plan) = StreamJournal::load(vec![
+            (3, vec![(1, intent(1)), (2, intent(2))]),
+            (5, vec![(1, intent(9))]),
+        ]);
+        assert_eq!(journal.pending(), vec![(1, intent(9)), (2, intent(2))]);
+        assert_eq!(plan.changes.get(&3), Some(&Some(vec![(2, intent(2))])));
+        assert_eq!(journal.next_seq(), 6);
+    }
+}
