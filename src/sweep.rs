@@ -106,7 +106,7 @@ pub enum SweepError {
         source: DiffError,
     },
     /// Shutdown was requested; the sweep stopped between two pages.
-    #[error("sweep interrupted by shutdown")]
+    #[error("sweep stopped early by shutdown or a replay request")]
     Interrupted,
     /// A full sweep would have deleted too much and refused.
     #[error(
@@ -252,7 +252,7 @@ impl Sweeper {
             }
             Err(SweepError::Interrupted) => {
                 info!(tenant = self.stream.tenant, resource = %self.stream.resource, kind = label,
-                    "sweep interrupted by shutdown; the next run resumes from the same watermark");
+                    "sweep stopped early (shutdown or replay); the next run resumes from the same watermark");
             }
             Err(e) => {
                 state.last_error = Some(e.to_string());
@@ -323,21 +323,8 @@ impl Sweeper {
         };
         let known_before = self.store.record_count(self.stream)?;
         if let Some(replay_id) = &plan.replay_id {
-            let since = state
-                .replay
-                .as_ref()
-                .and_then(|r| r.since)
-                .map(event::format_time);
-            let started = event::replay_event(
-                self.stream,
-                replay_id,
-                since.as_deref(),
-                false,
-                0,
-                Utc::now(),
-            );
-            self.publish_all(std::slice::from_ref(&started)).await?;
-            self.count_event(&started);
+            self.publish_replay_frame(state, replay_id, false, 0)
+                .await?;
         }
 
         let mut query = ListQuery {
@@ -371,21 +358,8 @@ impl Sweeper {
         }
 
         if let Some(replay_id) = &plan.replay_id {
-            let since = state
-                .replay
-                .as_ref()
-                .and_then(|r| r.since)
-                .map(event::format_time);
-            let completed = event::replay_event(
-                self.stream,
-                replay_id,
-                since.as_deref(),
-                true,
-                report.snapshots,
-                Utc::now(),
-            );
-            self.publish_all(std::slice::from_ref(&completed)).await?;
-            self.count_event(&completed);
+            self.publish_replay_frame(state, replay_id, true, report.snapshots)
+                .await?;
             let mut fresh = self.store.load_stream(self.stream)?;
             if let Some(replay) = fresh.replay.as_mut().filter(|r| &r.id == replay_id) {
                 replay.pending = false;
@@ -407,6 +381,33 @@ impl Sweeper {
             .increment(1);
         metrics::counter!(metric::RECORDS_SEEN, "tenant" => tenant, "resource" => resource)
             .increment(page.records.len() as u64);
+    }
+
+    /// Publishes `replay.started` (or, with `completed`, `replay.completed`)
+    /// and waits for its ack.
+    async fn publish_replay_frame(
+        &self,
+        state: &StreamState,
+        replay_id: &str,
+        completed: bool,
+        records: u64,
+    ) -> Result<(), SweepError> {
+        let since = state
+            .replay
+            .as_ref()
+            .and_then(|r| r.since)
+            .map(event::format_time);
+        let frame = event::replay_event(
+            self.stream,
+            replay_id,
+            since.as_deref(),
+            completed,
+            records,
+            Utc::now(),
+        );
+        self.publish_all(std::slice::from_ref(&frame)).await?;
+        self.count_event(&frame);
+        Ok(())
     }
 
     /// Diffs one page, publishes its changes, and commits them after the acks.
@@ -661,8 +662,7 @@ impl Sweeper {
                     batch.len()
                 ],
             };
-            metrics::histogram!(metric::PUBLISH_LATENCY, "sink" => self.sink.name().to_string())
-                .record(started.elapsed().as_secs_f64());
+            crate::sinks::metrics::record_publish(self.sink.name(), started.elapsed(), &acks);
             let mut retry = Vec::new();
             let mut last_error = None;
             for (i, event) in outstanding.iter().enumerate() {

@@ -1,37 +1,32 @@
-//! Publish metrics every sink records the same way, so dashboards can compare
-//! sinks: batch latency, failures by kind, and whether the sink is up.
+//! Publish metrics recorded the same way for every sink, so dashboards can
+//! compare sinks: batch latency, failures by kind, and whether the sink is up.
+//! The sweep records each publish call (it sees every sink, and its own
+//! timeouts); sinks record only their health.
 
-use std::time::Instant;
+use std::time::Duration;
 
 use crate::sinks::Ack;
 use crate::telemetry::metric;
 
-/// Records the latency of one published batch and its failed events by kind,
-/// and logs the first failure of a batch that had any.
-pub fn record_publish(sink: &'static str, started: Instant, acks: &[Ack]) {
-    metrics::histogram!(metric::PUBLISH_LATENCY, "sink" => sink)
-        .record(started.elapsed().as_secs_f64());
-    let (mut retriable, mut fatal) = (0u64, 0u64);
-    let mut first_error = None;
-    for ack in acks {
-        let Err(e) = ack else { continue };
-        first_error.get_or_insert(e);
-        if e.is_retriable() {
-            retriable += 1;
-        } else {
-            fatal += 1;
-        }
-    }
-    if let Some(e) = first_error {
-        let failed = retriable + fatal;
-        tracing::warn!(sink, failed, total = acks.len(), error = %e, "publish failed");
-    }
+/// Records the latency of one publish call (until its last ack) and its
+/// failed events by kind.
+pub fn record_publish(sink: &str, elapsed: Duration, acks: &[Ack]) {
+    metrics::histogram!(metric::PUBLISH_LATENCY, "sink" => sink.to_string())
+        .record(elapsed.as_secs_f64());
+    let retriable = acks
+        .iter()
+        .filter(|a| matches!(a, Err(e) if e.is_retriable()))
+        .count() as u64;
+    let fatal = acks
+        .iter()
+        .filter(|a| matches!(a, Err(e) if !e.is_retriable()))
+        .count() as u64;
     if retriable > 0 {
-        metrics::counter!(metric::PUBLISH_FAILURES, "sink" => sink, "kind" => "retriable")
+        metrics::counter!(metric::PUBLISH_FAILURES, "sink" => sink.to_string(), "kind" => "retriable")
             .increment(retriable);
     }
     if fatal > 0 {
-        metrics::counter!(metric::PUBLISH_FAILURES, "sink" => sink, "kind" => "fatal")
+        metrics::counter!(metric::PUBLISH_FAILURES, "sink" => sink.to_string(), "kind" => "fatal")
             .increment(fatal);
     }
 }

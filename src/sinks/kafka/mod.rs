@@ -25,7 +25,7 @@ use rdkafka::types::RDKafkaErrorCode;
 pub use self::classify::Failure;
 pub use self::config::{KafkaConfigError, KafkaSinkConfig, TopicTemplate};
 use crate::event::Event;
-use crate::sinks::metrics::{record_publish, record_sink_up};
+use crate::sinks::metrics::record_sink_up;
 use crate::sinks::{Ack, Sink, SinkError};
 use crate::stream::StreamKey;
 
@@ -226,7 +226,6 @@ impl Sink for KafkaSink {
     }
 
     async fn publish(&self, events: &[Event]) -> Vec<Ack> {
-        let started = Instant::now();
         // Queue everything first so librdkafka batches; then await every delivery.
         let mut queued = Vec::with_capacity(events.len());
         for event in events {
@@ -236,7 +235,6 @@ impl Sink for KafkaSink {
         for queued in queued {
             acks.push(self.await_queued(queued).await);
         }
-        record_publish(SINK, started, &acks);
         acks
     }
 

@@ -25,7 +25,7 @@ use tokio::sync::Semaphore;
 
 pub use self::config::{NatsConfigError, NatsSinkConfig, NatsTlsConfig, Secret};
 use crate::event::Event;
-use crate::sinks::metrics::{record_publish, record_sink_up};
+use crate::sinks::metrics::record_sink_up;
 use crate::sinks::{Ack, Sink, SinkError};
 
 /// The sink name used in logs and metrics.
@@ -193,7 +193,6 @@ impl Sink for NatsSink {
     }
 
     async fn publish(&self, events: &[Event]) -> Vec<Ack> {
-        let started = Instant::now();
         let max_payload = self.client.server_info().max_payload;
         let mut acks: Vec<Ack> = vec![Ok(()); events.len()];
         // Built up front (they start only when polled) to keep the stream's item type simple.
@@ -208,7 +207,6 @@ impl Sink for NatsSink {
         while let Some((index, outcome)) = outcomes.next().await {
             acks[index] = outcome;
         }
-        record_publish(SINK, started, &acks);
         acks
     }
 
