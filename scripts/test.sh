@@ -23,6 +23,11 @@ command -v perl >/dev/null || missing+=(perl)
 command -v python3 >/dev/null || missing+=(python3)
 command -v nats-server >/dev/null || missing+=(nats-server)
 command -v pkg-config >/dev/null || missing+=(pkg-config)
+# `docker compose config` validates the compose file; Debian ships the
+# standalone docker-compose when the compose plugin is absent.
+if ! docker compose version >/dev/null 2>&1 && ! command -v docker-compose >/dev/null; then
+  missing+=(docker-compose)
+fi
 if [ "${#missing[@]}" -gt 0 ]; then
   log "installing system packages: ${missing[*]}"
   as_root apt-get update -qq
@@ -45,11 +50,9 @@ log "cargo clippy --all-targets -- -D warnings"
 cargo clippy --all-targets --locked -- -D warnings
 
 log "cargo test"
-cargo test --locked --lib --bins --tests -- --test-threads "${TEST_THREADS:-4}"
+cargo test --locked --no-fail-fast --lib --bins --tests
 
-if [ -f scripts/validate-deploy.sh ]; then
-  log "deployment files"
-  bash scripts/validate-deploy.sh
-fi
+log "deployment files (compose, kubernetes, dashboard, schema)"
+bash scripts/validate-deploy.sh
 
 log "all checks passed"
