@@ -262,19 +262,19 @@ fn rss_kib() -> (u64, u64) {
 }
 
 /// One footprint measurement in a fresh process: sync `n` records, run one
-/// full sweep over them, and report disk and memory.
+/// full sweep over them, reopen the store and count, reporting disk and RSS
+/// after each step.
 fn footprint_child(n: usize) {
     let bodies = bodies();
-    let (rss_start, _) = rss_kib();
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("state");
     let store = SledStore::open(&path).expect("open");
     let started = Instant::now();
     initial_sync(&store, &bodies, n);
     store.flush().expect("flush");
-    let sync_secs = started.elapsed().as_secs_f64();
-    let (after_sync, alloc_sync) = dir_size(&path);
-    let (rss_sync, _) = rss_kib();
+    let sync_rate = n as f64 / started.elapsed().as_secs_f64();
+    let (_, disk_synced) = dir_size(&path);
+    let (rss_synced, _) = rss_kib();
 
     // One full sweep: every record unchanged, seen epoch bumped.
     let ignore = IgnoreKeys::default();
@@ -288,32 +288,31 @@ fn footprint_child(n: usize) {
         sweep_page(&store, &ignore, page, &texts, SweepMode::Normal, 2);
     }
     store.flush().expect("flush");
-    let sweep_secs = started.elapsed().as_secs_f64();
+    let sweep_rate = n as f64 / started.elapsed().as_secs_f64();
+    let (_, disk_swept) = dir_size(&path);
+    let (rss_swept, peak_swept) = rss_kib();
     drop(store);
-    // Reopen: what the store occupies once sled has settled.
+
     let store = SledStore::open(&path).expect("reopen");
     assert_eq!(store.record_count(STREAM).expect("count"), n as u64);
+    let (rss_reopened, peak) = rss_kib();
     drop(store);
-    let (after_sweep, alloc_sweep) = dir_size(&path);
-    let (rss_end, rss_peak) = rss_kib();
+    let mib = |kib: u64| kib as f64 / 1024.0;
     println!(
-        "{n:>8} | {:>9.0} | {:>9.0} | {:>8.1} | {:>8.1} | {:>8.1} | {:>8.1} | {:>7} | {:>7} | {:>7} | {:>7}",
-        n as f64 / sync_secs,
-        n as f64 / sweep_secs,
-        after_sync as f64 / n as f64,
-        alloc_sync as f64 / n as f64,
-        after_sweep as f64 / n as f64,
-        alloc_sweep as f64 / n as f64,
-        rss_start / 1024,
-        rss_sync / 1024,
-        rss_end / 1024,
-        rss_peak / 1024,
+        "{n:>9} | {sync_rate:>9.0} | {sweep_rate:>9.0} | {:>10.1} | {:>10.1} | {:>9.1} | {:>9.1} | {:>9.1} | {:>9.1} | {:>9.1}",
+        disk_synced as f64 / n as f64,
+        disk_swept as f64 / n as f64,
+        mib(rss_synced),
+        mib(rss_swept),
+        mib(peak_swept),
+        mib(rss_reopened),
+        mib(peak),
     );
 }
 
 fn footprint(sizes: &[usize]) {
-    println!("records  | sync r/s  | sweep r/s | B/rec    | B/rec    | B/rec    | B/rec    | RSS MiB | RSS MiB | RSS MiB | RSS MiB");
-    println!("         | (1st sync)| (full)    | sync app | sync alc | sweep app| sweep alc| start   | synced  | end     | peak");
+    println!("  records | sync r/s  | sweep r/s | disk B/rec | disk B/rec | RSS MiB   | RSS MiB   | peak MiB  | RSS MiB   | peak MiB");
+    println!("          | (wall)    | (wall)    | synced     | swept      | synced    | swept     | so far    | reopened  | at end");
     let exe = std::env::current_exe().expect("current_exe");
     for n in sizes {
         let status = std::process::Command::new(&exe)

@@ -195,6 +195,14 @@ fn hash_with(
     Ok(ContentHash(bytes))
 }
 
+/// A record's `updated_at` text as unix microseconds (the form state keeps);
+/// None when it is not an RFC 3339 timestamp.
+pub fn updated_at_micros(text: &str) -> Option<i64> {
+    chrono::DateTime::parse_from_rfc3339(text)
+        .ok()
+        .map(|t| t.timestamp_micros())
+}
+
 /// How the sweep that listed a record treats it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum SweepMode {
@@ -1020,6 +1028,17 @@ mod tests {
         let err = ContentHash::from_hex("xyz").unwrap_err().to_string();
         assert!(err.starts_with("invalid content hash `xyz`: "), "{err}");
         assert!(serde_json::from_str::<ContentHash>("\"00\"").is_err());
+    }
+
+    #[test]
+    fn updated_at_text_converts_to_unix_microseconds() {
+        assert_eq!(updated_at_micros("1970-01-01T00:00:01Z"), Some(1_000_000));
+        assert_eq!(
+            updated_at_micros("2024-05-01T10:00:00.123456+02:00"),
+            Some(1_714_550_400_123_456)
+        );
+        assert_eq!(updated_at_micros("yesterday"), None);
+        assert_eq!(updated_at_micros(""), None);
     }
 
     #[test]

@@ -14,6 +14,8 @@
 //!   the record states of the present ids in id order. Pages list neighbouring
 //!   ids, so one sled entry serves many records: far fewer sled operations per
 //!   page and far less per-entry overhead on disk than one entry per record;
+//! * the number of records of a stream: key `b'n' | tenant | tag`, value u64 BE,
+//!   updated in the same batch as the buckets;
 //! * intents are journalled per publish batch: key `b'j' | tenant | tag | seq u64 BE`,
 //!   value `count varint | (id i64 BE | intent value)*`.
 
@@ -30,6 +32,8 @@ const BUCKET_SHIFT: u32 = BUCKET_SLOTS.trailing_zeros();
 pub(crate) const KIND_RECORD: u8 = b'r';
 /// Kind byte of an intent journal entry key (one per `write_intents` batch).
 pub(crate) const KIND_JOURNAL: u8 = b'j';
+/// Kind byte of a stream's record count (key = the 10-byte prefix, value u64 BE).
+pub(crate) const KIND_COUNT: u8 = b'n';
 /// Kind byte of a tombstone key.
 pub(crate) const KIND_TOMBSTONE: u8 = b't';
 
