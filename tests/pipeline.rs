@@ -3,6 +3,8 @@
 //! NATS: a `nats-server -js` the test starts (and kills mid-sweep); Kafka: a
 //! tansu broker process.
 
+mod common;
+
 #[path = "common/brokers.rs"]
 #[allow(dead_code)]
 mod brokers;
@@ -13,7 +15,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use serde_json::Value;
-use voucher_cdc::simulator::{Simulator, SimulatorOptions};
+use voucher_cdc::simulator::Simulator;
 use voucher_cdc::sinks::kafka::{KafkaSink, KafkaSinkConfig};
 use voucher_cdc::sinks::nats::{NatsSink, NatsSinkConfig};
 use voucher_cdc::sinks::Sink;
@@ -21,24 +23,8 @@ use voucher_cdc::state::SledStore;
 use voucher_cdc::state::StateStore;
 use voucher_cdc::stream::{Resource, StreamKey};
 use voucher_cdc::sweep::{SweepKind, SweepSettings, Sweeper};
-use voucher_cdc::upstream::client::{ClientOptions, SecretToken, UpstreamClient};
-use voucher_cdc::upstream::ratelimit::RateBudget;
 
 const TENANT: u64 = 1;
-
-async fn spawn_simulator(vouchers: usize, categories: usize) -> Arc<Simulator> {
-    Arc::new(
-        Simulator::start(SimulatorOptions {
-            tenants: 1,
-            vouchers,
-            categories,
-            rate_limit: 0,
-            ..SimulatorOptions::default()
-        })
-        .await
-        .unwrap(),
-    )
-}
 
 fn sweeper(
     sim: &Simulator,
@@ -46,15 +32,7 @@ fn sweeper(
     sink: Arc<dyn Sink>,
     resource: Resource,
 ) -> Sweeper {
-    let client = UpstreamClient::new(
-        ClientOptions {
-            base_url: sim.base_url().parse().unwrap(),
-            ..ClientOptions::default()
-        },
-        SecretToken::new(sim.token()),
-        Arc::new(RateBudget::new(0)),
-    )
-    .unwrap();
+    let client = common::bridge_client(sim);
     Sweeper {
         stream: StreamKey::new(TENANT, resource),
         client,
@@ -151,7 +129,7 @@ async fn every_record_reaches_nats_jetstream_exactly_as_the_api_returned_it() {
     let Some(nats) = brokers::spawn_nats() else {
         return;
     };
-    let sim = spawn_simulator(130, 12).await;
+    let sim = common::spawn_catalog(1, 130, 12).await;
     let dir = tempfile::tempdir().unwrap();
     let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&dir.path().join("state")).unwrap());
     let sink: Arc<dyn Sink> = Arc::new(
@@ -202,7 +180,7 @@ async fn a_nats_server_killed_mid_sweep_and_restarted_loses_nothing() {
     };
     let nats = Arc::new(Mutex::new(nats));
     let url = nats.lock().unwrap().url();
-    let sim = spawn_simulator(400, 1).await;
+    let sim = common::spawn_catalog(1, 400, 1).await;
     let dir = tempfile::tempdir().unwrap();
     let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&dir.path().join("state")).unwrap());
     let sink: Arc<dyn Sink> = Arc::new(
@@ -263,7 +241,7 @@ async fn every_record_reaches_a_real_kafka_broker_exactly_as_the_api_returned_it
     let Some(tansu) = brokers::spawn_tansu() else {
         return;
     };
-    let sim = spawn_simulator(120, 9).await;
+    let sim = common::spawn_catalog(1, 120, 9).await;
     let dir = tempfile::tempdir().unwrap();
     let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&dir.path().join("state")).unwrap());
     let streams = [

@@ -1,6 +1,7 @@
 //! The sweep against the in-process simulator over loopback HTTP, a real sled
 //! store in a temp dir, and the in-memory test sink with its fault modes.
 
+mod common;
 #[path = "common/schema.rs"]
 mod schema;
 
@@ -13,15 +14,14 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 use voucher_cdc::diff::{content_hash, IgnoreKeys};
-use voucher_cdc::simulator::{Simulator, SimulatorOptions};
+use voucher_cdc::simulator::Simulator;
 use voucher_cdc::sinks::testing::{FaultMode, TestSink};
 use voucher_cdc::sinks::Sink;
 use voucher_cdc::state::SledStore;
 use voucher_cdc::state::{Intent, RecordState, StateError, StateStore, StreamState, Tombstone};
 use voucher_cdc::stream::{Resource, StreamKey};
 use voucher_cdc::sweep::{schedule_replay, SweepError, SweepKind, SweepSettings, Sweeper};
-use voucher_cdc::upstream::client::{ClientOptions, SecretToken, UpstreamClient};
-use voucher_cdc::upstream::ratelimit::RateBudget;
+use voucher_cdc::upstream::client::UpstreamClient;
 
 const V: Resource = Resource::Vouchers;
 const C: Resource = Resource::Categories;
@@ -36,27 +36,10 @@ struct Harness {
 }
 
 async fn spawn_harness(tenants: u64, vouchers: usize, categories: usize) -> Harness {
-    let sim = Simulator::start(SimulatorOptions {
-        tenants,
-        vouchers,
-        categories,
-        rate_limit: 0,
-        ..SimulatorOptions::default()
-    })
-    .await
-    .map(Arc::new)
-    .expect("simulator starts");
+    let sim = Arc::new(common::spawn_catalog(tenants, vouchers, categories).await);
     let dir = tempfile::tempdir().unwrap();
     let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&state_path(dir.path())).unwrap());
-    let client = UpstreamClient::new(
-        ClientOptions {
-            base_url: sim.base_url().parse().unwrap(),
-            ..ClientOptions::default()
-        },
-        SecretToken::new(sim.token()),
-        Arc::new(RateBudget::new(0)),
-    )
-    .unwrap();
+    let client = common::bridge_client(&sim);
     let settings = SweepSettings {
         sink_backoff_initial: Duration::from_millis(5),
         sink_backoff_max: Duration::from_millis(20),

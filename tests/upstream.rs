@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use chrono::{SubsecRound, Utc};
 use futures::StreamExt;
-use voucher_cdc::simulator::{Fault, Permission, RequestLogEntry, Simulator, SimulatorOptions};
+use voucher_cdc::simulator::{Fault, Permission, RequestLogEntry, Simulator};
 use voucher_cdc::stream::Resource;
 use voucher_cdc::upstream::client::{ClientOptions, SecretToken, UpstreamClient};
 use voucher_cdc::upstream::error::UpstreamError;
@@ -17,8 +17,6 @@ use voucher_cdc::upstream::model::RedeemRequest;
 use voucher_cdc::upstream::pagination::ListQuery;
 use voucher_cdc::upstream::ratelimit::RateBudget;
 use voucher_cdc::upstream::{Page, Record};
-
-use common::spawn_simulator_with;
 
 /// Options for tests: the simulator's base URL, quick backoff.
 fn options(sim: &Simulator) -> ClientOptions {
@@ -43,14 +41,7 @@ fn client(sim: &Simulator) -> UpstreamClient {
 
 /// A simulator with the rate limit off.
 async fn simulator(tenants: u64, vouchers: usize, categories: usize) -> Simulator {
-    spawn_simulator_with(SimulatorOptions {
-        tenants,
-        vouchers,
-        categories,
-        rate_limit: 0,
-        ..SimulatorOptions::default()
-    })
-    .await
+    common::spawn_catalog(tenants, vouchers, categories).await
 }
 
 /// Every page of a listing, panicking on an error.

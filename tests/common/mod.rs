@@ -34,6 +34,32 @@ pub async fn spawn_small_simulator(tenants: u64) -> Simulator {
     .await
 }
 
+/// A simulator of `tenants` tenants with `vouchers` and `categories` each, rate limit off.
+pub async fn spawn_catalog(tenants: u64, vouchers: usize, categories: usize) -> Simulator {
+    spawn_simulator_with(SimulatorOptions {
+        tenants,
+        vouchers,
+        categories,
+        rate_limit: 0,
+        ..SimulatorOptions::default()
+    })
+    .await
+}
+
+/// The bridge's upstream client for `sim`, with its all-powerful token and no rate budget.
+pub fn bridge_client(sim: &Simulator) -> voucher_cdc::upstream::client::UpstreamClient {
+    use voucher_cdc::upstream::client::{ClientOptions, SecretToken, UpstreamClient};
+    UpstreamClient::new(
+        ClientOptions {
+            base_url: sim.base_url().parse().unwrap(),
+            ..ClientOptions::default()
+        },
+        SecretToken::new(sim.token()),
+        std::sync::Arc::new(voucher_cdc::upstream::ratelimit::RateBudget::new(0)),
+    )
+    .unwrap()
+}
+
 /// A reqwest client for the simulator that sends `Accept: application/json` and the bearer token.
 pub fn simulator_client(token: &str) -> reqwest::Client {
     let mut headers = reqwest::header::HeaderMap::new();
