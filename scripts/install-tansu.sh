@@ -2,13 +2,13 @@
 # Installs the tansu Kafka-protocol broker used by the end-to-end Kafka test
 # (tests/sink_kafka_tansu.rs) into the voucher-cdc cache, once.
 #
-# Cache root: $VOUCHER_CDC_CACHE, else ${XDG_CACHE_HOME:-$HOME/.cache}/voucher-cdc.
+# Cache root: $VCDC_CACHE_DIR, else ${XDG_CACHE_HOME:-$HOME/.cache}/voucher-cdc.
 # Prints the path of the tansu binary on stdout (build output goes to stderr).
 # The test finds it there, or wherever env TANSU_BIN points.
 set -euo pipefail
 
 version="0.6.0"
-cache="${VOUCHER_CDC_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/voucher-cdc}"
+cache="${VCDC_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/voucher-cdc}"
 root="$cache/tansu-$version"
 binary="$root/bin/tansu"
 

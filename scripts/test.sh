@@ -5,8 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-CACHE="${VOUCHER_CDC_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/voucher-cdc}"
-export VOUCHER_CDC_CACHE="$CACHE"
+# Not VOUCHER_CDC_*: that prefix belongs to the config (unknown keys are errors).
+CACHE="${VCDC_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/voucher-cdc}"
+export VCDC_CACHE_DIR="$CACHE"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$CACHE/target}"
 mkdir -p "$CACHE"
 

@@ -158,7 +158,7 @@ impl Drop for NatsServer {
 
 /// Where `scripts/install-tansu.sh` puts the tansu binary.
 pub fn tansu_cache_path() -> PathBuf {
-    let cache = std::env::var_os("VOUCHER_CDC_CACHE")
+    let cache = std::env::var_os("VCDC_CACHE_DIR")
         .map(PathBuf::from)
         .or_else(|| {
             std::env::var_os("XDG_CACHE_HOME").map(|x| PathBuf::from(x).join("voucher-cdc"))
