@@ -29,6 +29,9 @@ command -v pkg-config >/dev/null || missing+=(pkg-config)
 if ! docker compose version >/dev/null 2>&1 && ! command -v docker-compose >/dev/null; then
   missing+=(docker-compose)
 fi
+# Manifest checks: kubectl renders the kustomization, shellcheck the scripts.
+command -v kubectl >/dev/null || missing+=(kubectl)
+command -v shellcheck >/dev/null || missing+=(shellcheck)
 if [ "${#missing[@]}" -gt 0 ]; then
   log "installing system packages: ${missing[*]}"
   as_root apt-get update -qq
@@ -39,6 +42,16 @@ if ! command -v cargo >/dev/null; then
   echo "error: cargo not found; install Rust stable (rustup) first" >&2
   exit 1
 fi
+
+# kubernetes-validate (PyPI, pinned) validates the rendered manifests offline.
+KV="$CACHE/venv-kubernetes-validate-1.37.0"
+if [ ! -x "$KV/bin/kubernetes-validate" ]; then
+  log "installing kubernetes-validate 1.37.0 into $KV"
+  rm -rf "$KV"
+  python3 -m venv "$KV"
+  "$KV/bin/pip" install -q kubernetes-validate==1.37.0
+fi
+export PATH="$PATH:$KV/bin"
 
 log "tansu broker (cached in $CACHE)"
 TANSU_BIN="$(bash scripts/install-tansu.sh | tail -n 1)"

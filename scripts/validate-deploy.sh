@@ -226,7 +226,7 @@ else
 fi
 
 # --- shell --------------------------------------------------------------------
-for script in deploy/docker/healthcheck.sh scripts/validate-deploy.sh; do
+for script in deploy/docker/healthcheck.sh scripts/validate-deploy.sh scripts/test.sh scripts/install-tansu.sh .ci/run; do
   if bash -n "$script"; then
     pass "bash -n $script"
   else
@@ -234,7 +234,7 @@ for script in deploy/docker/healthcheck.sh scripts/validate-deploy.sh; do
   fi
 done
 if command -v shellcheck >/dev/null 2>&1; then
-  if out=$(shellcheck deploy/docker/healthcheck.sh scripts/validate-deploy.sh 2>&1); then
+  if out=$(shellcheck deploy/docker/healthcheck.sh scripts/validate-deploy.sh scripts/test.sh scripts/install-tansu.sh .ci/run 2>&1); then
     pass "shellcheck"
   else
     fail "shellcheck: $out"
