@@ -9,13 +9,15 @@
 //! directly; the timing decisions ([`due_kind`], [`next_delay`]) are pure.
 
 use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use futures::FutureExt;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn, Instrument};
+use tracing::{error, info, warn, Instrument};
 
 use crate::config::PollConfig;
 use crate::state::{StateError, StreamState};
@@ -275,12 +277,19 @@ impl StreamRunner {
             }
 
             let step_cancel = shutdown.child_token();
-            let step = self.run_once(step_cancel.clone());
+            // A panic in a sweep (a bug) fails that step only: nothing of the
+            // page in flight was committed, and the stream tries again later.
+            let step = AssertUnwindSafe(self.run_once(step_cancel.clone())).catch_unwind();
             tokio::pin!(step);
             let mut waiting: Vec<ReplayRequest> = Vec::new();
             let outcome = loop {
                 tokio::select! {
-                    outcome = &mut step => break outcome,
+                    outcome = &mut step => break outcome.unwrap_or_else(|panic| {
+                        let reason = panic_reason(panic.as_ref());
+                        error!(tenant = self.key().tenant, resource = %self.key().resource,
+                            panic = %reason, "sweep panicked; the stream goes on at the next interval");
+                        StepOutcome::Failed(format!("sweep panicked: {reason}"))
+                    }),
                     Some(request) = requests.recv() => {
                         if waiting.is_empty() {
                             info!(tenant = self.key().tenant, resource = %self.key().resource,
@@ -311,6 +320,15 @@ impl StreamRunner {
             delay = next_delay(&outcome, &self.timing, rand::random::<f64>());
         }
     }
+}
+
+/// The message of a caught panic, when it carried one.
+fn panic_reason(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".to_string())
 }
 
 /// What a stop found.

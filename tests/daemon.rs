@@ -373,6 +373,28 @@ async fn a_stop_is_bounded_when_the_sink_never_acknowledges_and_loses_nothing() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_in_a_sweep_fails_that_step_and_the_stream_goes_on() {
+    let sim = spawn_small_simulator(9).await;
+    let dir = tempfile::tempdir().unwrap();
+    let toml = daemon_toml(&sim.base_url(), sim.token(), dir.path(), &[9]);
+    let sink = TestSink::new();
+    sink.set_mode(FaultMode::Panic);
+    let mut daemon = spawn_daemon_with_sink(&toml, Some(Arc::new(sink.clone()))).await;
+    wait_until("both streams hit the panic more than once", WAIT, || {
+        sink.publish_calls() >= 4
+    })
+    .await;
+    assert!(sink.events().is_empty());
+    // The bug is gone: the same stream tasks sync everything.
+    sink.set_mode(FaultMode::Normal);
+    wait_until("tenant 9 synced after the panics", WAIT, || {
+        sink.events().len() == 25
+    })
+    .await;
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sink_failing_its_health_check_makes_readyz_answer_503_naming_it() {
     let sim = spawn_small_simulator(8).await;
     let dir = tempfile::tempdir().unwrap();

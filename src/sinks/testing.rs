@@ -60,6 +60,8 @@ pub enum FaultMode {
     },
     /// Every publish fails as retriable and `health` fails.
     Down,
+    /// `publish` panics (a bug in a sink or the sweep): the caller must survive it.
+    Panic,
 }
 
 impl FaultMode {
@@ -169,6 +171,8 @@ impl TestSink {
             state.offered_since_mode += 1;
             let outcome = match &state.mode {
                 FaultMode::Down => Err(SinkError::Retriable("test sink is down".into())),
+                // Switched to while this batch was in flight: never an ack.
+                FaultMode::Panic => Err(SinkError::Retriable("test sink: panic mode".into())),
                 FaultMode::FailAfter(n) if state.budget == 0 => Err(SinkError::Retriable(format!(
                     "test sink: failing after {n} acknowledged events"
                 ))),
@@ -212,6 +216,7 @@ impl Sink for TestSink {
         match mode {
             FaultMode::NeverAck => std::future::pending::<()>().await,
             FaultMode::SlowAck(delay) => tokio::time::sleep(delay).await,
+            FaultMode::Panic => panic!("test sink: injected panic in publish"),
             _ => {}
         }
         self.settle(events)
