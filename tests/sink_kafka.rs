@@ -341,3 +341,34 @@ async fn configuration_errors_fail_at_construction_naming_the_property_or_key() 
         "{text}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_stopped_by_a_fatal_error_is_replaced_and_nothing_is_lost() {
+    let (_cluster, bootstrap) = mock_cluster(1, &["voucher_cdc.vouchers"]);
+    let sink = KafkaSink::new(&sink_config(&bootstrap), &[VOUCHERS])
+        .await
+        .unwrap();
+    let before = sample_events(VOUCHERS, 1, 20, Op::Create, 200);
+    assert!(all_ok(&sink.publish(&before).await));
+
+    // librdkafka's own fault injection: the idempotent producer is now dead.
+    sink.inject_fatal_error("injected by the test");
+    let after = sample_events(VOUCHERS, 100, 20, Op::Update, 200);
+    retry_until_acked(&sink, after.clone(), Duration::from_secs(20)).await;
+    sink.flush().await.unwrap();
+
+    let mut all = before.clone();
+    all.extend(after);
+    let records = tokio::task::spawn_blocking(move || {
+        consume_all(
+            &bootstrap,
+            &["voucher_cdc.vouchers"],
+            3,
+            40,
+            Duration::from_secs(20),
+        )
+    })
+    .await
+    .unwrap();
+    assert_each_read_back_once(&all, &records);
+}

@@ -46,8 +46,10 @@ pub fn classify(code: RDKafkaErrorCode) -> Failure {
         | C::ValueSerialization
         | C::BadMessage
         | C::ProducerFenced
-        | C::Fenced
-        | C::Fatal => Failure::Fatal,
+        | C::Fenced => Failure::Fatal,
+        // The idempotent producer stopped: the sink replaces it, so a retry
+        // goes to a fresh producer.
+        C::Fatal => Failure::Retriable,
         // Transport, timeouts, leadership changes, full queues, missing
         // topics and every code not listed: the sweep waits and retries.
         _ => Failure::Retriable,
@@ -70,7 +72,7 @@ pub fn hint(code: RDKafkaErrorCode) -> Option<&'static str> {
         C::AllBrokersDown | C::BrokerTransportFailure | C::MessageTimedOut | C::Resolve => {
             Some("broker unreachable")
         }
-        C::Fatal => Some("the idempotent producer stopped; restart voucher-cdc"),
+        C::Fatal => Some("the idempotent producer stopped; it is being replaced"),
         _ => None,
     }
 }
@@ -111,10 +113,15 @@ mod tests {
             RDKafkaErrorCode::InvalidConfig,
             RDKafkaErrorCode::InvalidTopic,
             RDKafkaErrorCode::SaslAuthenticationFailed,
-            RDKafkaErrorCode::Fatal,
         ] {
             assert_eq!(classify(code), Failure::Fatal, "{code:?}");
         }
+    }
+
+    #[test]
+    fn a_stopped_producer_is_retriable_because_the_sink_replaces_it() {
+        assert_eq!(classify(RDKafkaErrorCode::Fatal), Failure::Retriable);
+        assert!(hint(RDKafkaErrorCode::Fatal).unwrap().contains("replaced"));
     }
 
     #[test]

@@ -73,7 +73,10 @@ struct Queued {
 
 /// Publishes events to Kafka topics.
 pub struct KafkaSink {
-    producer: FutureProducer,
+    /// The current producer; replaced when librdkafka reports a fatal error.
+    producer: std::sync::RwLock<FutureProducer>,
+    /// Settings a replacement producer is created from.
+    client_config: ClientConfig,
     template: TopicTemplate,
     tombstones: bool,
     message_timeout: Duration,
@@ -108,7 +111,8 @@ impl KafkaSink {
         }
         record_sink_up(SINK, true);
         Ok(Self {
-            producer,
+            producer: std::sync::RwLock::new(producer),
+            client_config,
             template,
             tombstones: config.tombstones,
             message_timeout: config.message_timeout,
@@ -116,14 +120,66 @@ impl KafkaSink {
         })
     }
 
+    /// The current producer (a cheap handle).
+    fn producer(&self) -> FutureProducer {
+        match self.producer.read() {
+            Ok(guard) => guard.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    /// After a fatal error (an idempotent producer that lost its sequence,
+    /// say) librdkafka refuses every further message: replace the producer.
+    /// Events the old one never delivered were not acknowledged, so the
+    /// sweep publishes them again, under the same ids.
+    fn replace_producer_if_fatal(&self) {
+        let current = self.producer();
+        let Some((code, reason)) = current.client().fatal_error() else {
+            return;
+        };
+        tracing::error!(sink = SINK, brokers = %self.brokers, error = %code, reason = %reason,
+            "kafka producer hit a fatal error; replacing it");
+        match self.client_config.create::<FutureProducer>() {
+            Ok(fresh) => {
+                let mut guard = match self.producer.write() {
+                    Ok(guard) => guard,
+                    Err(poisoned) => poisoned.into_inner(),
+                };
+                *guard = fresh;
+            }
+            Err(e) => tracing::error!(sink = SINK, brokers = %self.brokers, error = %e,
+                "cannot create a replacement kafka producer; retrying at the next publish"),
+        }
+    }
+
+    /// Triggers a librdkafka fatal error on the current producer, as a broker
+    /// fencing it would. For fault-injection tests only.
+    #[doc(hidden)]
+    pub fn inject_fatal_error(&self, reason: &str) {
+        let producer = self.producer();
+        let Ok(reason) = std::ffi::CString::new(reason) else {
+            return;
+        };
+        // SAFETY: the client pointer is valid while `producer` lives, and
+        // librdkafka copies the reason string.
+        unsafe {
+            rdkafka::bindings::rd_kafka_test_fatal_error(
+                producer.client().native_ptr(),
+                rdkafka::bindings::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_OUT_OF_ORDER_SEQUENCE_NUMBER,
+                reason.as_ptr(),
+            );
+        }
+    }
+
     /// Queues one record, waiting while the local queue is full.
     async fn enqueue(
         &self,
+        producer: &FutureProducer,
         mut record: FutureRecord<'_, [u8], [u8]>,
     ) -> Result<DeliveryFuture, SinkError> {
         let deadline = Instant::now() + self.message_timeout;
         loop {
-            match self.producer.send_result(record) {
+            match producer.send_result(record) {
                 Ok(delivery) => return Ok(delivery),
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), returned))
                     if Instant::now() < deadline =>
@@ -137,7 +193,7 @@ impl KafkaSink {
     }
 
     /// Queues an event (and its tombstone).
-    async fn enqueue_event(&self, event: &Event) -> Queued {
+    async fn enqueue_event(&self, producer: &FutureProducer, event: &Event) -> Queued {
         let topic = self.template.render(event.stream);
         let headers = OwnedHeaders::new().insert(Header {
             key: "content-type",
@@ -152,7 +208,7 @@ impl KafkaSink {
             error: None,
             topic: topic.clone(),
         };
-        match self.enqueue(record).await {
+        match self.enqueue(producer, record).await {
             Ok(delivery) => queued.deliveries.push(delivery),
             Err(e) => {
                 queued.error = Some(e);
@@ -161,7 +217,7 @@ impl KafkaSink {
         }
         if self.tombstones && event.is_delete() {
             let tombstone = FutureRecord::to(&topic).key(event.partition_key.as_bytes());
-            match self.enqueue(tombstone).await {
+            match self.enqueue(producer, tombstone).await {
                 Ok(delivery) => queued.deliveries.push(delivery),
                 Err(e) => queued.error = Some(e),
             }
@@ -226,10 +282,12 @@ impl Sink for KafkaSink {
     }
 
     async fn publish(&self, events: &[Event]) -> Vec<Ack> {
+        self.replace_producer_if_fatal();
+        let producer = self.producer();
         // Queue everything first so librdkafka batches; then await every delivery.
         let mut queued = Vec::with_capacity(events.len());
         for event in events {
-            queued.push(self.enqueue_event(event).await);
+            queued.push(self.enqueue_event(&producer, event).await);
         }
         let mut acks = Vec::with_capacity(events.len());
         for queued in queued {
@@ -239,7 +297,7 @@ impl Sink for KafkaSink {
     }
 
     async fn health(&self) -> Result<(), SinkError> {
-        let producer = self.producer.clone();
+        let producer = self.producer();
         let outcome = tokio::task::spawn_blocking(move || {
             producer
                 .client()
@@ -262,7 +320,7 @@ impl Sink for KafkaSink {
     }
 
     async fn flush(&self) -> Result<(), SinkError> {
-        let producer = self.producer.clone();
+        let producer = self.producer();
         let timeout = self.message_timeout;
         let outcome =
             tokio::task::spawn_blocking(move || Self::flush_blocking(&producer, timeout)).await;
@@ -283,7 +341,7 @@ impl Drop for KafkaSink {
     fn drop(&mut self) {
         // librdkafka purges queued messages when the producer is destroyed:
         // wait for them first (only a cancelled publish can leave any).
-        if let Err(e) = Self::flush_blocking(&self.producer, self.message_timeout) {
+        if let Err(e) = Self::flush_blocking(&self.producer(), self.message_timeout) {
             tracing::warn!(sink = SINK, error = %e, "kafka producer dropped with undelivered messages");
         }
     }
