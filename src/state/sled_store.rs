@@ -286,6 +286,14 @@ impl SledStore {
         Ok(count)
     }
 
+    /// Adds the stream's new record count to `batch` (read by [`Self::stored_count`]).
+    fn write_count(batch: &mut sled::Batch, key: StreamKey, count: u64) {
+        batch.insert(
+            &codec::prefix(KIND_COUNT, key)[..],
+            &count.to_be_bytes()[..],
+        );
+    }
+
     /// Adds the write (or removal, when empty) of each `dirty` bucket to `batch`.
     fn write_buckets(
         batch: &mut sled::Batch,
@@ -428,10 +436,7 @@ impl StateStore for SledStore {
         Self::write_buckets(&mut batch, key, &buckets, &dirty);
         if added > 0 {
             let count = self.stored_count(key)?.saturating_add(added);
-            batch.insert(
-                &codec::prefix(KIND_COUNT, key)[..],
-                &count.to_be_bytes()[..],
-            );
+            Self::write_count(&mut batch, key, count);
         }
         self.apply(batch)?;
         journal.apply(&plan);
@@ -492,10 +497,7 @@ impl StateStore for SledStore {
         Self::write_buckets(&mut batch, key, &buckets, &dirty);
         if removed > 0 {
             let count = self.stored_count(key)?.saturating_sub(removed);
-            batch.insert(
-                &codec::prefix(KIND_COUNT, key)[..],
-                &count.to_be_bytes()[..],
-            );
+            Self::write_count(&mut batch, key, count);
         }
         self.apply(batch)?;
         journal.apply(&plan);
