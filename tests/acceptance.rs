@@ -7,20 +7,12 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use common::{read_events, run_cli, set_key, sim_toml, spawn_simulator_with};
-use voucher_cdc::simulator::SimulatorOptions;
+use common::{read_events, run_cli, set_key, sim_toml, spawn_catalog};
 use voucher_cdc::stream::Resource;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_once_syncs_everything_once_then_nothing_then_exactly_the_changes() {
-    let sim = spawn_simulator_with(SimulatorOptions {
-        tenants: 3,
-        vouchers: 1000,
-        categories: 40,
-        rate_limit: 0,
-        ..SimulatorOptions::default()
-    })
-    .await;
+    let sim = spawn_catalog(3, 1000, 40).await;
     let dir = tempfile::tempdir().unwrap();
     // A long full-resync interval: runs two and three are incremental.
     let toml = set_key(

@@ -1,7 +1,7 @@
 //! Configuration: layering, every broken config's one-line message, and the
 //! exit code 2 of `check-config` on a broken file.
 
-use std::process::Command;
+mod common;
 
 use voucher_cdc::config::{from_toml_str, SinkKind};
 use voucher_cdc::stream::{Resource, StreamKey};
@@ -191,7 +191,7 @@ fn check_config_prints_the_effective_config_with_secrets_redacted() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("c.toml");
     std::fs::write(&path, MINIMAL).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_voucher-cdc"))
+    let out = common::cli()
         .args(["check-config", "--config"])
         .arg(&path)
         .env_remove("VOUCHER_CDC_UPSTREAM__TOKEN")
@@ -214,7 +214,7 @@ fn the_config_file_can_be_named_by_env_without_being_read_as_a_key() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("c.toml");
     std::fs::write(&path, MINIMAL).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_voucher-cdc"))
+    let out = common::cli()
         .arg("check-config")
         .env("VOUCHER_CDC_CONFIG", &path)
         .output()
@@ -236,7 +236,7 @@ fn check_config_exits_2_with_one_line_per_problem() {
         format!("{MINIMAL}\n[sink]\nkind = \"kafka\"\n[poll]\nmax_delete_fraction = 3.0\n"),
     )
     .unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_voucher-cdc"))
+    let out = common::cli()
         .args(["check-config", "--config"])
         .arg(&path)
         .output()
@@ -253,7 +253,7 @@ fn check_config_exits_2_with_one_line_per_problem() {
 
 #[test]
 fn a_missing_config_file_is_a_usage_error() {
-    let out = Command::new(env!("CARGO_BIN_EXE_voucher-cdc"))
+    let out = common::cli()
         .args(["check-config", "--config", "/nonexistent/voucher-cdc.toml"])
         .output()
         .unwrap();

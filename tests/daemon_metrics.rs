@@ -9,10 +9,9 @@ use std::time::Duration;
 
 use serde_json::Value;
 use voucher_cdc::admin::StatusReport;
-use voucher_cdc::simulator::SimulatorOptions;
 use voucher_cdc::stream::Resource;
 
-use common::{set_key, sim_toml, spawn_daemon, spawn_simulator_with, wait_until};
+use common::{set_key, sim_toml, spawn_catalog, spawn_daemon, wait_until};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -177,14 +176,7 @@ fn the_prometheus_parser_rejects_what_prometheus_would_reject() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_parse_and_their_counters_match_the_events_and_the_requests() {
-    let sim = spawn_simulator_with(SimulatorOptions {
-        tenants: 2,
-        vouchers: 120,
-        categories: 5,
-        rate_limit: 0,
-        ..SimulatorOptions::default()
-    })
-    .await;
+    let sim = spawn_catalog(2, 120, 5).await;
     let dir = tempfile::tempdir().unwrap();
     // One sweep per stream at start, then only what the test asks for.
     let toml = sim_toml(&sim, dir.path(), &[1, 2]);

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use proptest::prelude::*;
 use serde_json::Value;
-use voucher_cdc::simulator::{Simulator, SimulatorOptions};
+use voucher_cdc::simulator::Simulator;
 use voucher_cdc::stream::Resource;
 
 #[derive(Debug, Clone)]
@@ -67,14 +67,7 @@ async fn check(
     since_pick: Option<usize>,
     include: bool,
 ) -> Result<(), TestCaseError> {
-    let sim = common::spawn_simulator_with(SimulatorOptions {
-        tenants: 1,
-        vouchers: 170,
-        categories: 130,
-        rate_limit: 0,
-        ..SimulatorOptions::default()
-    })
-    .await;
+    let sim = common::spawn_catalog(1, 170, 130).await;
     let client = common::simulator_client(sim.token());
     let initial = sim.record_ids(1, resource);
     let mut stamps: Vec<String> = initial

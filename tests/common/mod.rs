@@ -24,14 +24,7 @@ pub async fn spawn_simulator_with(options: SimulatorOptions) -> Simulator {
 
 /// A simulator with `tenants` tenants of 20 vouchers and 5 categories, rate limit off.
 pub async fn spawn_small_simulator(tenants: u64) -> Simulator {
-    spawn_simulator_with(SimulatorOptions {
-        tenants,
-        vouchers: 20,
-        categories: 5,
-        rate_limit: 0,
-        ..SimulatorOptions::default()
-    })
-    .await
+    spawn_catalog(tenants, 20, 5).await
 }
 
 /// A simulator of `tenants` tenants with `vouchers` and `categories` each, rate limit off.
