@@ -15,6 +15,7 @@ use serde_json::value::RawValue;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::crashpoint;
 use crate::diff::{content_hash, decide, ContentHash, Decision, DiffError, IgnoreKeys, SweepMode};
 use crate::event::{self, Event, Op, RecordChange};
 use crate::sinks::{Sink, SinkError};
@@ -496,6 +497,7 @@ impl Sweeper {
                 })
                 .collect();
             self.store.write_intents(self.stream, &intents)?;
+            crashpoint::hit(crashpoint::names::AFTER_INTENTS);
 
             let hashes: Vec<(String, Option<String>)> = pending
                 .iter()
@@ -522,6 +524,7 @@ impl Sweeper {
                 })
                 .collect();
             self.publish_all(&events).await?;
+            crashpoint::hit(crashpoint::names::AFTER_PUBLISH);
             for (c, e) in pending.iter().zip(&events) {
                 report.count(c.op);
                 self.count_event(e);
@@ -546,6 +549,9 @@ impl Sweeper {
         let seen: &[i64] = if plan.full { &seen_unchanged } else { &[] };
         self.store
             .commit_page(self.stream, &commits, seen, plan.epoch)?;
+        if !pending.is_empty() {
+            crashpoint::hit(crashpoint::names::AFTER_COMMIT);
+        }
         Ok(())
     }
 
@@ -617,13 +623,16 @@ impl Sweeper {
                     )
                 })
                 .collect::<Result<_, _>>()?;
+            crashpoint::hit(crashpoint::names::AFTER_DELETE_INTENTS);
             self.publish_all(&events).await?;
+            crashpoint::hit(crashpoint::names::AFTER_DELETE_PUBLISH);
             for e in &events {
                 report.count(Op::Delete);
                 self.count_event(e);
             }
             let tombstones: Vec<(i64, Tombstone)> = chunk.iter().map(Doomed::tombstone).collect();
             self.store.commit_deletes(self.stream, &tombstones)?;
+            crashpoint::hit(crashpoint::names::AFTER_DELETE_COMMIT);
         }
         Ok(())
     }

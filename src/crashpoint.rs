@@ -1,0 +1,80 @@
+//! Named crash points: places in the sweep and the store where a test can make
+//! the real process die as abruptly as `kill -9` does.
+//!
+//! Random kills find the dangerous windows (intents written but not yet on
+//! disk, events acknowledged but not yet committed) only by luck; a crash
+//! point makes each of them reachable on purpose. They exist only in builds
+//! with the `crash-points` cargo feature (the test suite's); in every other
+//! build [`hit`] is an empty inline function.
+//!
+//! Arming: `VCDC_CRASH_POINT=<name>` aborts the process the first time the
+//! point is reached, `VCDC_CRASH_POINT=<name>@<n>` the n-th time. Just before
+//! aborting, one line `voucher-cdc: crash point <name> reached (hit <n>); aborting`
+//! goes to stderr so a test can tell the point was reached. The environment
+//! variable lies outside the `VOUCHER_CDC_` prefix, which belongs to the config.
+
+/// The environment variable that arms a crash point.
+pub const ENV: &str = "VCDC_CRASH_POINT";
+
+/// Every crash point, in the order a sweep reaches them.
+pub mod names {
+    /// A page's intents are written and made durable; nothing of the page was published.
+    pub const AFTER_INTENTS: &str = "sweep.after-intents";
+    /// Every event of a page is acknowledged by the sink; nothing of the page is committed.
+    pub const AFTER_PUBLISH: &str = "sweep.after-publish";
+    /// A page's hashes are committed (not necessarily flushed); the next page is not requested.
+    pub const AFTER_COMMIT: &str = "sweep.after-commit";
+    /// A full sweep's delete intents are written and durable; no delete was published.
+    pub const AFTER_DELETE_INTENTS: &str = "sweep.after-delete-intents";
+    /// Every delete of a chunk is acknowledged; the deletes are not committed.
+    pub const AFTER_DELETE_PUBLISH: &str = "sweep.after-delete-publish";
+    /// A chunk of deletes is committed (not necessarily flushed).
+    pub const AFTER_DELETE_COMMIT: &str = "sweep.after-delete-commit";
+    /// Every crash point, for tests that arm each in turn.
+    pub const ALL: [&str; 6] = [
+        AFTER_INTENTS,
+        AFTER_PUBLISH,
+        AFTER_COMMIT,
+        AFTER_DELETE_INTENTS,
+        AFTER_DELETE_PUBLISH,
+        AFTER_DELETE_COMMIT,
+    ];
+}
+
+/// True when this build has crash points compiled in.
+pub const ENABLED: bool = cfg!(feature = "crash-points");
+
+/// Reaches the crash point `name`: aborts the process when it is armed.
+#[cfg(not(feature = "crash-points"))]
+#[inline(always)]
+pub fn hit(_name: &'static str) {}
+
+/// Reaches the crash point `name`: aborts the process when it is armed.
+#[cfg(feature = "crash-points")]
+pub fn hit(name: &'static str) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+
+    static ARMED: OnceLock<Option<(String, u64)>> = OnceLock::new();
+    static HITS: AtomicU64 = AtomicU64::new(0);
+
+    let armed = ARMED.get_or_init(|| {
+        let value = std::env::var(ENV).ok()?;
+        let (point, nth) = match value.split_once('@') {
+            Some((point, n)) => (point.to_string(), n.parse().unwrap_or(1)),
+            None => (value, 1),
+        };
+        Some((point, nth.max(1)))
+    });
+    let Some((point, nth)) = armed else {
+        return;
+    };
+    if point != name {
+        return;
+    }
+    let hits = HITS.fetch_add(1, Ordering::SeqCst) + 1;
+    if hits == *nth {
+        eprintln!("voucher-cdc: crash point {name} reached (hit {hits}); aborting");
+        std::process::abort();
+    }
+}
