@@ -122,6 +122,10 @@ fn sweep_page(
                         hash: *hash,
                         updated_at,
                         generation,
+                        seq: 1,
+                        op: Some(voucher_cdc::event::Op::Update),
+                        previous: known.map(|k| k.hash),
+                        replay: None,
                     },
                 ));
                 commits.push((
@@ -131,6 +135,7 @@ fn sweep_page(
                         updated_at,
                         seen_epoch: epoch,
                         generation,
+                        seq: 1,
                     },
                 ));
             }

@@ -156,6 +156,10 @@ pub struct PollConfig {
     /// How long shutdown waits for the pages in flight to be acknowledged and committed.
     #[serde(default = "default_shutdown_timeout", with = "humantime_serde")]
     pub shutdown_timeout: Duration,
+    /// Fewest pages one listing may take before it counts as endless (the
+    /// limit grows with the records known: twice their pages plus 100).
+    #[serde(default = "default_max_pages_floor")]
+    pub max_pages_floor: u64,
 }
 
 fn default_interval() -> Duration {
@@ -185,6 +189,12 @@ fn default_jitter() -> f64 {
 fn default_shutdown_timeout() -> Duration {
     Duration::from_secs(30)
 }
+fn default_max_pages_floor() -> u64 {
+    DEFAULT_MAX_PAGES_FLOOR
+}
+
+/// Default of `poll.max_pages_floor`: a listing of 500,000 records.
+pub const DEFAULT_MAX_PAGES_FLOOR: u64 = 10_000;
 
 impl Default for PollConfig {
     fn default() -> Self {
@@ -198,6 +208,7 @@ impl Default for PollConfig {
             park_recheck_interval: default_park_recheck_interval(),
             jitter: default_jitter(),
             shutdown_timeout: default_shutdown_timeout(),
+            max_pages_floor: default_max_pages_floor(),
         }
     }
 }

@@ -77,6 +77,9 @@ pub fn sweep_settings(config: &Config) -> SweepSettings {
         include_relations: config.poll.include_relations,
         ignore_keys: IgnoreKeys::new(&config.poll.ignore_keys),
         max_delete_fraction: config.poll.max_delete_fraction,
+        max_pages_floor: config.poll.max_pages_floor,
+        full_retry_initial: config.poll.interval,
+        full_retry_max: config.poll.full_resync_interval,
         ..SweepSettings::default()
     }
 }

@@ -12,7 +12,7 @@ use serde_json::value::RawValue;
 use crate::stream::{Resource, StreamKey, TenantId};
 
 /// What kind of change an event reports (the `op` attribute).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Op {
     /// A record not known before, seen after the stream's first sync.
@@ -75,6 +75,8 @@ pub struct EventIdParts<'a> {
     pub record_id: &'a str,
     /// How many deletes of this record id were seen before.
     pub generation: u32,
+    /// The record's change sequence: which committed change of the record this is.
+    pub seq: u64,
     /// The record's `updated_at` as the API returned it, if any.
     pub updated_at: Option<&'a str>,
     /// Hex content hash of the event's data.
@@ -88,7 +90,7 @@ pub struct EventIdParts<'a> {
 /// Computes the 32-hex-digit event id: blake3 over the length-prefixed parts.
 pub fn event_id(parts: &EventIdParts<'_>) -> String {
     let mut h = blake3::Hasher::new();
-    h.update(b"voucher-cdc/event-id/v1");
+    h.update(b"voucher-cdc/event-id/v2");
     let mut field = |bytes: Option<&[u8]>| match bytes {
         None => {
             h.update(&[0]);
@@ -103,6 +105,7 @@ pub fn event_id(parts: &EventIdParts<'_>) -> String {
     field(Some(parts.resource.as_str().as_bytes()));
     field(Some(parts.record_id.as_bytes()));
     field(Some(&parts.generation.to_le_bytes()));
+    field(Some(&parts.seq.to_le_bytes()));
     field(parts.updated_at.map(str::as_bytes));
     field(Some(parts.content_hash.as_bytes()));
     field(parts.previous_hash.map(str::as_bytes));
@@ -172,6 +175,11 @@ impl Event {
     }
 }
 
+/// True when `t` is an RFC 3339 date-time (what CloudEvents' `time` requires).
+pub fn is_rfc3339(t: &str) -> bool {
+    DateTime::parse_from_rfc3339(t).is_ok()
+}
+
 /// Formats a timestamp the way events carry it (RFC 3339, UTC, `Z`).
 pub fn format_time(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::Micros, true)
@@ -196,6 +204,8 @@ pub struct RecordChange<'a> {
     pub record_id: &'a str,
     /// Delete generation of the record id.
     pub generation: u32,
+    /// Change sequence of the record (see [`EventIdParts::seq`]).
+    pub seq: u64,
     /// Kind of change.
     pub op: Op,
     /// The record's `updated_at` string, if any.
@@ -224,6 +234,7 @@ pub fn record_event(change: &RecordChange<'_>) -> Event {
         resource: change.stream.resource,
         record_id: change.record_id,
         generation: change.generation,
+        seq: change.seq,
         updated_at: change.updated_at,
         content_hash: change.content_hash,
         previous_hash: change.previous_hash,
@@ -231,7 +242,18 @@ pub fn record_event(change: &RecordChange<'_>) -> Event {
     });
     let partition_key = partition_key(change.stream, change.record_id);
     let time = match change.updated_at {
-        Some(t) if change.op != Op::Delete => t.to_string(),
+        Some(t) if change.op != Op::Delete && is_rfc3339(t) => t.to_string(),
+        Some(t) if change.op != Op::Delete => {
+            // `time` must be RFC 3339; `data` keeps the original value.
+            tracing::debug!(tenant = change.stream.tenant, resource = %change.stream.resource,
+                record = change.record_id, updated_at = t,
+                "updated_at is not RFC 3339; the event's time is the detection time");
+            metrics::counter!(crate::telemetry::metric::UNREADABLE_UPDATED_AT,
+                "tenant" => change.stream.tenant.to_string(),
+                "resource" => change.stream.resource.as_str())
+            .increment(1);
+            format_time(change.detected_at)
+        }
         _ => format_time(change.detected_at),
     };
     let doc = CloudEvent {
@@ -304,6 +326,7 @@ pub fn replay_event(
         resource: stream.resource,
         record_id: ty.as_str(),
         generation: 0,
+        seq: 0,
         updated_at: None,
         // The completed count is part of the data but not of the identity: a
         // replay completes once, whatever count a retried attempt reports.

@@ -84,14 +84,19 @@ impl StepOutcome {
 }
 
 /// Which sweep is due: full when the last full sweep finished longer than
-/// `full_resync_interval` ago or never, incremental otherwise. (A stream that
-/// never synced or has a replay pending gets its snapshot sweep whatever
+/// `full_resync_interval` ago or never, incremental otherwise, and
+/// incremental while a failed full sweep waits for its retry time (so a
+/// failing full listing does not spend the budget on every poll). (A stream
+/// that never synced or has a replay pending gets its snapshot sweep whatever
 /// kind is asked; the sweep itself decides that.)
 pub fn due_kind(
     state: &StreamState,
     now: DateTime<Utc>,
     full_resync_interval: Duration,
 ) -> SweepKind {
+    if state.full_sweep_retry_at.is_some_and(|at| now < at) {
+        return SweepKind::Incremental;
+    }
     let Some(finished) = state.last_full_sweep_finished else {
         return SweepKind::Full;
     };
@@ -192,7 +197,42 @@ impl StreamRunner {
     /// One step: sweeps once (full when due), parks the stream on 401/403/404,
     /// and refreshes the stream's gauges. `cancel` stops the sweep after the
     /// page in flight.
+    ///
+    /// A panic in the sweep (a bug) fails this step like any other failed
+    /// sweep: it is logged, counted, and recorded as the stream's last error;
+    /// nothing of the page in flight was committed.
     pub async fn run_once(&self, cancel: CancellationToken) -> StepOutcome {
+        let outcome = match AssertUnwindSafe(self.step(cancel)).catch_unwind().await {
+            Ok(outcome) => outcome,
+            Err(panic) => {
+                let key = self.key();
+                let reason = format!("sweep panicked: {}", panic_reason(panic.as_ref()));
+                error!(tenant = key.tenant, resource = %key.resource, error = %reason,
+                    "sweep panicked; the stream goes on at the next interval");
+                metrics::counter!(telemetry::metric::SWEEPS, "tenant" => key.tenant.to_string(),
+                    "resource" => key.resource.as_str(), "kind" => "unknown", "outcome" => "panic")
+                .increment(1);
+                if let Err(e) = self.record_error(&reason) {
+                    warn!(tenant = key.tenant, resource = %key.resource, error = %e, "cannot save the stream's last error");
+                }
+                StepOutcome::Failed(reason)
+            }
+        };
+        self.refresh_gauges();
+        outcome
+    }
+
+    /// Records `error` as the stream's last error.
+    fn record_error(&self, error: &str) -> Result<(), StateError> {
+        let store = &self.sweeper.store;
+        let mut state = store.load_stream(self.key())?;
+        state.last_error = Some(error.to_string());
+        state.last_error_at = Some(Utc::now());
+        store.save_stream(self.key(), &state)?;
+        store.flush()
+    }
+
+    async fn step(&self, cancel: CancellationToken) -> StepOutcome {
         let key = self.key();
         let store = &self.sweeper.store;
         let state = match store.load_stream(key) {
@@ -228,7 +268,6 @@ impl StreamRunner {
             }
             Err(e) => StepOutcome::Failed(e.to_string()),
         };
-        self.refresh_gauges();
         outcome
     }
 
@@ -277,19 +316,13 @@ impl StreamRunner {
             }
 
             let step_cancel = shutdown.child_token();
-            // A panic in a sweep (a bug) fails that step only: nothing of the
-            // page in flight was committed, and the stream tries again later.
-            let step = AssertUnwindSafe(self.run_once(step_cancel.clone())).catch_unwind();
+            // A panic in a sweep (a bug) fails that step only (see `run_once`).
+            let step = self.run_once(step_cancel.clone());
             tokio::pin!(step);
             let mut waiting: Vec<ReplayRequest> = Vec::new();
             let outcome = loop {
                 tokio::select! {
-                    outcome = &mut step => break outcome.unwrap_or_else(|panic| {
-                        let reason = panic_reason(panic.as_ref());
-                        error!(tenant = self.key().tenant, resource = %self.key().resource,
-                            panic = %reason, "sweep panicked; the stream goes on at the next interval");
-                        StepOutcome::Failed(format!("sweep panicked: {reason}"))
-                    }),
+                    outcome = &mut step => break outcome,
                     Some(request) = requests.recv() => {
                         if waiting.is_empty() {
                             info!(tenant = self.key().tenant, resource = %self.key().resource,
@@ -440,6 +473,25 @@ mod tests {
         assert_eq!(due_kind(&state, at(3600), hour), SweepKind::Full);
         // A clock that went backwards does not force a full sweep.
         assert_eq!(due_kind(&state, at(-10), hour), SweepKind::Incremental);
+    }
+
+    #[test]
+    fn a_failed_full_sweep_waits_for_its_retry_time_while_incremental_sweeps_go_on() {
+        let state = StreamState {
+            last_full_sweep_finished: Some(at(0)),
+            full_sweep_failures: 2,
+            full_sweep_retry_at: Some(at(5000)),
+            ..StreamState::default()
+        };
+        let hour = Duration::from_secs(3600);
+        assert_eq!(due_kind(&state, at(4999), hour), SweepKind::Incremental);
+        assert_eq!(due_kind(&state, at(5000), hour), SweepKind::Full);
+        let never_full = StreamState {
+            full_sweep_retry_at: Some(at(60)),
+            ..StreamState::default()
+        };
+        assert_eq!(due_kind(&never_full, at(0), hour), SweepKind::Incremental);
+        assert_eq!(due_kind(&never_full, at(60), hour), SweepKind::Full);
     }
 
     #[test]

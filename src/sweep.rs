@@ -4,27 +4,38 @@
 //!
 //! The invariant this module exists to keep: **a content hash is never
 //! committed before the sink acknowledged its event.** A crash anywhere
-//! therefore re-publishes (same event ids), and never loses a change.
+//! therefore re-publishes (same event ids), and never loses a change:
+//!
+//! * a page's intents (every input of each event's id) are durable before
+//!   its first event reaches the sink, and a listed record with a pending
+//!   intent is compared with the intent, what downstream may have seen;
+//! * deletes are journalled the same way, and each is confirmed by the
+//!   single-record GET (404) before it is published;
+//! * a listing always ends: a repeated cursor or a page count far beyond the
+//!   records known fails the sweep without moving the watermark.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
+use futures::StreamExt;
 use serde_json::value::RawValue;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::crashpoint;
-use crate::diff::{content_hash, decide, ContentHash, Decision, DiffError, IgnoreKeys, SweepMode};
+use crate::diff::{
+    content_hash, plan_change, Change, ContentHash, DiffError, IgnoreKeys, Known, SweepMode,
+};
 use crate::event::{self, Event, Op, RecordChange};
 use crate::sinks::{Sink, SinkError};
 use crate::state::{Intent, RecordState, StateError, StateStore, StreamState, Tombstone};
-use crate::stream::StreamKey;
+use crate::stream::{Resource, StreamKey};
 use crate::telemetry::metric;
 use crate::upstream::client::UpstreamClient;
 use crate::upstream::error::UpstreamError;
-use crate::upstream::pagination::ListQuery;
+use crate::upstream::pagination::{page_limit, ListQuery};
 use crate::upstream::{Page, Record};
 
 /// Which kind of sweep the scheduler asks for.
@@ -63,6 +74,12 @@ pub struct SweepSettings {
     pub sink_backoff_max: Duration,
     /// How long one publish call may take before it counts as a retriable failure.
     pub publish_timeout: Duration,
+    /// Fewest pages a listing may take before it counts as endless (see [`page_limit`]).
+    pub max_pages_floor: u64,
+    /// First wait before a failed full sweep is tried again; doubles up to `full_retry_max`.
+    pub full_retry_initial: Duration,
+    /// Longest wait before a failed full sweep is tried again.
+    pub full_retry_max: Duration,
 }
 
 impl Default for SweepSettings {
@@ -75,6 +92,9 @@ impl Default for SweepSettings {
             sink_backoff_initial: Duration::from_millis(200),
             sink_backoff_max: Duration::from_secs(30),
             publish_timeout: Duration::from_secs(120),
+            max_pages_floor: crate::config::DEFAULT_MAX_PAGES_FLOOR,
+            full_retry_initial: Duration::from_secs(30),
+            full_retry_max: Duration::from_secs(3600),
         }
     }
 }
@@ -112,8 +132,9 @@ pub enum SweepError {
     /// A full sweep would have deleted too much and refused.
     #[error(
         "full sweep refused to delete {would_delete} of {known} known records \
-         (more than poll.max_delete_fraction = {max_fraction}); check the upstream, \
-         then raise the limit or replay the stream"
+         (more than poll.max_delete_fraction = {max_fraction}); check the upstream: if the \
+         deletions are real, raise poll.max_delete_fraction or run `voucher-cdc replay` for \
+         the stream (a replay confirms each delete with the API and is not limited)"
     )]
     DeleteGuard {
         /// Records the sweep would have deleted.
@@ -201,6 +222,8 @@ struct Plan {
     full: bool,
     updated_since: Option<DateTime<Utc>>,
     replay_id: Option<String>,
+    /// `replay_id` as the 16 bytes intents store.
+    replay: Option<[u8; 16]>,
     epoch: u64,
 }
 
@@ -211,8 +234,11 @@ impl Sweeper {
         let mut state = self.store.load_stream(self.stream)?;
         state.last_sweep_started = Some(started);
         let plan = self.plan(&state, kind);
-        if plan.full {
-            state.full_sweep_epoch = plan.epoch;
+        if plan.full || plan.replay_id.is_some() {
+            state.full_sweep_epoch = state.full_sweep_epoch.max(plan.epoch);
+        }
+        if let Some(replay) = state.replay.as_mut().filter(|r| r.pending) {
+            replay.epoch.get_or_insert(plan.epoch);
         }
         self.store.save_stream(self.stream, &state)?;
         let label = if plan.replay_id.is_some() {
@@ -247,6 +273,10 @@ impl Sweeper {
                 state.last_error_at = None;
                 state.parked = None;
                 state.records_known = report.records_known;
+                if plan.full {
+                    state.full_sweep_failures = 0;
+                    state.full_sweep_retry_at = None;
+                }
                 info!(tenant = self.stream.tenant, resource = %self.stream.resource, kind = label,
                     pages = report.pages, records = report.records_seen, events = report.events(),
                     deleted = report.deleted, "sweep finished");
@@ -258,6 +288,18 @@ impl Sweeper {
             Err(e) => {
                 state.last_error = Some(e.to_string());
                 state.last_error_at = Some(Utc::now());
+                if plan.full && plan.replay_id.is_none() && state.watermark.is_some() {
+                    // Incremental sweeps go on; the full listing waits its backoff.
+                    state.full_sweep_failures = state.full_sweep_failures.saturating_add(1);
+                    let wait = full_retry_delay(
+                        state.full_sweep_failures,
+                        self.settings.full_retry_initial,
+                        self.settings.full_retry_max,
+                    );
+                    state.full_sweep_retry_at = chrono::Duration::from_std(wait)
+                        .ok()
+                        .and_then(|w| Utc::now().checked_add_signed(w));
+                }
                 warn!(tenant = self.stream.tenant, resource = %self.stream.resource, kind = label,
                     error = %e, "sweep failed");
             }
@@ -277,7 +319,11 @@ impl Sweeper {
                 full: replay.since.is_none(),
                 updated_since: replay.since,
                 replay_id: Some(replay.id.clone()),
-                epoch: state.full_sweep_epoch + u64::from(replay.since.is_none()),
+                replay: crate::state::replay_id_bytes(&replay.id),
+                // Fixed when the replay first ran, so a resumed replay knows what it emitted.
+                epoch: replay
+                    .epoch
+                    .unwrap_or_else(|| state.full_sweep_epoch.saturating_add(1)),
             };
         }
         let Some(watermark) = state.watermark else {
@@ -287,6 +333,7 @@ impl Sweeper {
                 full: true,
                 updated_since: None,
                 replay_id: None,
+                replay: None,
                 epoch: state.full_sweep_epoch + 1,
             };
         };
@@ -296,6 +343,7 @@ impl Sweeper {
                 full: true,
                 updated_since: None,
                 replay_id: None,
+                replay: None,
                 epoch: state.full_sweep_epoch + 1,
             },
             SweepKind::Incremental => {
@@ -304,8 +352,9 @@ impl Sweeper {
                 Plan {
                     mode: SweepMode::Normal,
                     full: false,
-                    updated_since: Some(watermark - lookback),
+                    updated_since: watermark.checked_sub_signed(lookback),
                     replay_id: None,
+                    replay: None,
                     epoch: state.full_sweep_epoch,
                 }
             }
@@ -328,17 +377,22 @@ impl Sweeper {
                 .await?;
         }
 
-        let mut query = ListQuery {
+        let query = ListQuery {
             updated_since: plan.updated_since,
             cursor: None,
             include_relations: self.settings.include_relations,
         };
+        let max_pages = page_limit(known_before, self.settings.max_pages_floor);
+        let pages = self.client.list_pages_bounded(
+            self.stream.tenant,
+            self.stream.resource,
+            query,
+            max_pages,
+        );
+        futures::pin_mut!(pages);
         let mut first_server_time = None;
-        loop {
-            let page = self
-                .client
-                .list_page(self.stream.tenant, self.stream.resource, &query)
-                .await?;
+        while let Some(page) = pages.next().await {
+            let page = page?;
             first_server_time.get_or_insert(page.server_time);
             report.pages += 1;
             report.records_seen += page.records.len() as u64;
@@ -347,10 +401,8 @@ impl Sweeper {
             if let Some(progress) = &self.progress {
                 progress(self.stream, report.records_seen, report.pages);
             }
-            match page.next_cursor {
-                Some(_) if self.shutdown.is_cancelled() => return Err(SweepError::Interrupted),
-                Some(cursor) => query.cursor = Some(cursor),
-                None => break,
+            if page.next_cursor.is_some() && self.shutdown.is_cancelled() {
+                return Err(SweepError::Interrupted);
             }
         }
 
@@ -434,10 +486,10 @@ impl Sweeper {
             .collect();
 
         let ids: Vec<i64> = records.iter().map(|r| r.id).collect();
-        let known = self.store.get_records(self.stream, &ids)?;
+        let committed = self.store.get_records(self.stream, &ids)?;
         let unknown_ids: Vec<i64> = ids
             .iter()
-            .zip(&known)
+            .zip(&committed)
             .filter(|(_, k)| k.is_none())
             .map(|(id, _)| *id)
             .collect();
@@ -451,11 +503,18 @@ impl Sweeper {
                 .filter_map(|(id, t)| t.map(|t| (id, t)))
                 .collect()
         };
+        // What downstream may have seen beyond the committed hashes.
+        let intents: HashMap<i64, Intent> = self
+            .store
+            .pending_intents(self.stream)?
+            .into_iter()
+            .filter(|(id, _)| last_index.contains_key(id))
+            .collect();
 
         let detected_at = Utc::now();
         let mut pending: Vec<PendingChange> = Vec::new();
         let mut seen_unchanged: Vec<i64> = Vec::new();
-        for (record, known) in records.iter().zip(&known) {
+        for (record, committed) in records.iter().zip(&committed) {
             let hash =
                 content_hash(record.raw.get(), &self.settings.ignore_keys).map_err(|source| {
                     SweepError::Hash {
@@ -463,70 +522,37 @@ impl Sweeper {
                         source,
                     }
                 })?;
-            let decision = decide(known.as_ref().map(|k| k.hash), hash, plan.mode);
-            let Decision::Emit { op, previous } = decision else {
-                seen_unchanged.push(record.id);
-                continue;
+            let known = Known {
+                committed: *committed,
+                intent: intents.get(&record.id).copied(),
+                tombstone: tombstones.get(&record.id).copied(),
             };
-            let generation = match known {
-                Some(k) => k.generation,
-                None => tombstones.get(&record.id).map_or(0, |t| t.generation),
-            };
-            pending.push(PendingChange {
-                record,
-                op,
-                hash,
-                previous,
-                generation,
-                updated_at_micros: parse_micros(record.updated_at.as_deref()),
-            });
+            match plan_change(&known, hash, plan.mode, plan.replay, plan.epoch) {
+                None => seen_unchanged.push(record.id),
+                Some(change) => pending.push(PendingChange {
+                    record,
+                    hash,
+                    change,
+                    updated_at_micros: parse_micros(record.updated_at.as_deref()),
+                }),
+            }
         }
 
         if !pending.is_empty() {
-            let intents: Vec<(i64, Intent)> = pending
-                .iter()
-                .map(|c| {
-                    (
-                        c.record.id,
-                        Intent {
-                            hash: c.hash,
-                            updated_at: c.updated_at_micros,
-                            generation: c.generation,
-                        },
-                    )
-                })
-                .collect();
+            let intents: Vec<(i64, Intent)> =
+                pending.iter().map(|c| (c.record.id, c.intent())).collect();
+            // Durable before the first event of the page reaches the sink.
             self.store.write_intents(self.stream, &intents)?;
             crashpoint::hit(crashpoint::names::AFTER_INTENTS);
 
-            let hashes: Vec<(String, Option<String>)> = pending
-                .iter()
-                .map(|c| (c.hash.to_hex(), c.previous.map(|p| p.to_hex())))
-                .collect();
-            let record_ids: Vec<String> = pending.iter().map(|c| c.record.id.to_string()).collect();
             let events: Vec<Event> = pending
                 .iter()
-                .zip(&hashes)
-                .zip(&record_ids)
-                .map(|((c, (hash, previous)), record_id)| {
-                    event::record_event(&RecordChange {
-                        stream: self.stream,
-                        record_id,
-                        generation: c.generation,
-                        op: c.op,
-                        updated_at: c.record.updated_at.as_deref(),
-                        content_hash: hash,
-                        previous_hash: previous.as_deref(),
-                        replay_id: plan.replay_id.as_deref(),
-                        data: &c.record.raw,
-                        detected_at,
-                    })
-                })
+                .map(|c| c.event(self.stream, detected_at))
                 .collect();
             self.publish_all(&events).await?;
             crashpoint::hit(crashpoint::names::AFTER_PUBLISH);
             for (c, e) in pending.iter().zip(&events) {
-                report.count(c.op);
+                report.count(c.change.op);
                 self.count_event(e);
             }
         }
@@ -541,7 +567,8 @@ impl Sweeper {
                         hash: c.hash,
                         updated_at: c.updated_at_micros,
                         seen_epoch: plan.epoch,
-                        generation: c.generation,
+                        generation: c.change.generation,
+                        seq: c.change.seq,
                     },
                 )
             })
@@ -556,7 +583,8 @@ impl Sweeper {
     }
 
     /// After a complete full listing: emits `*.deleted` for every record (and
-    /// every possibly-published intent) the listing did not contain.
+    /// every possibly-published intent) the listing did not contain, each
+    /// confirmed gone by the single-record GET first.
     async fn delete_unseen(
         &self,
         plan: &Plan,
@@ -570,14 +598,12 @@ impl Sweeper {
             .into_iter()
             .collect();
 
-        // A pending intent is the latest version possibly published.
+        // A pending intent is the latest change possibly published.
         let mut doomed: Vec<Doomed> = unseen
             .iter()
-            .map(|(id, r)| match intents.get(id) {
-                Some(i) => Doomed::new(*id, r.generation, i.hash, i.updated_at),
-                None => Doomed::new(*id, r.generation, r.hash, r.updated_at),
-            })
+            .map(|(id, r)| Doomed::new(*id, Some(r), intents.get(id), plan.replay))
             .collect();
+        let committed_unseen = doomed.len() as u64;
         // Intents of records never committed: published perhaps, gone now.
         let unseen_ids: HashSet<i64> = unseen.iter().map(|(id, _)| *id).collect();
         let orphans: Vec<i64> = intents
@@ -588,53 +614,114 @@ impl Sweeper {
         if !orphans.is_empty() {
             let stored = self.store.get_records(self.stream, &orphans)?;
             for (id, stored) in orphans.iter().zip(stored) {
-                if let (None, Some(i)) = (stored, intents.get(id)) {
-                    doomed.push(Doomed::new(*id, i.generation, i.hash, i.updated_at));
+                if stored.is_none() {
+                    doomed.push(Doomed::new(*id, None, intents.get(id), plan.replay));
                 }
             }
         }
         if doomed.is_empty() {
             return Ok(());
         }
-        let would_delete = doomed.len() as u64;
+        // The guard protects against a broken listing before any request is
+        // spent on confirmations. Orphan intents are not "known" records and
+        // never count; a first sync has nothing to protect, and a replay is
+        // what the guard's message advises (each delete is confirmed anyway).
         let limit = self.settings.max_delete_fraction * (known_before.max(1) as f64);
-        if plan.mode != SweepMode::FirstSync && (would_delete as f64) > limit {
+        if plan.mode == SweepMode::Normal && (committed_unseen as f64) > limit {
             metrics::counter!(metric::DELETES_REFUSED, "tenant" => self.stream.tenant.to_string(),
                 "resource" => self.stream.resource.as_str())
             .increment(1);
             return Err(SweepError::DeleteGuard {
-                would_delete,
+                would_delete: committed_unseen,
                 known: known_before,
                 max_fraction: self.settings.max_delete_fraction,
             });
         }
 
-        let detected_at = Utc::now();
         doomed.sort_by_key(|d| d.id);
-        for chunk in doomed.chunks(500) {
-            let events: Vec<Event> = chunk
-                .iter()
-                .map(|d| {
-                    d.event(
-                        self.stream,
-                        plan.replay_id.as_deref(),
-                        detected_at,
-                        &self.settings.ignore_keys,
-                    )
-                })
-                .collect::<Result<_, _>>()?;
+        for chunk in doomed.chunks(DELETE_CHUNK) {
+            let (gone, found) = self.confirm_gone(chunk).await?;
+            if !found.is_empty() {
+                // The listing skipped them: they are seen, and processed like a page.
+                metrics::counter!(metric::DELETES_RESCINDED, "tenant" => self.stream.tenant.to_string(),
+                    "resource" => self.stream.resource.as_str())
+                .increment(found.len() as u64);
+                info!(tenant = self.stream.tenant, resource = %self.stream.resource,
+                    records = found.len(),
+                    "records missing from the full listing still exist upstream; not deleted");
+                self.process_page(plan, &found, report).await?;
+            }
+            if gone.is_empty() {
+                continue;
+            }
+            let detected_at = Utc::now();
+            let intents: Vec<(i64, Intent)> = gone.iter().map(|d| (d.id, d.intent())).collect();
+            self.store.write_intents(self.stream, &intents)?;
             crashpoint::hit(crashpoint::names::AFTER_DELETE_INTENTS);
+            let events: Vec<Event> = gone
+                .iter()
+                .map(|d| d.event(self.stream, detected_at, &self.settings.ignore_keys))
+                .collect::<Result<_, _>>()?;
             self.publish_all(&events).await?;
             crashpoint::hit(crashpoint::names::AFTER_DELETE_PUBLISH);
             for e in &events {
                 report.count(Op::Delete);
                 self.count_event(e);
             }
-            let tombstones: Vec<(i64, Tombstone)> = chunk.iter().map(Doomed::tombstone).collect();
+            let tombstones: Vec<(i64, Tombstone)> = gone.iter().map(|d| d.tombstone()).collect();
             self.store.commit_deletes(self.stream, &tombstones)?;
             crashpoint::hit(crashpoint::names::AFTER_DELETE_COMMIT);
         }
         Ok(())
+    }
+
+    /// Asks the single-record GET about each record: 404 means gone; a record
+    /// that answers is returned to be processed as listed.
+    async fn confirm_gone<'d>(
+        &self,
+        doomed: &'d [Doomed],
+    ) -> Result<(Vec<&'d Doomed>, Vec<Record>), SweepError> {
+        let mut gone = Vec::with_capacity(doomed.len());
+        let mut found = Vec::new();
+        for d in doomed {
+            let answer = match self.stream.resource {
+                Resource::Vouchers => self.client.get_voucher(self.stream.tenant, d.id).await,
+                Resource::Categories => self.client.get_category(self.stream.tenant, d.id).await,
+            };
+            match answer {
+                Ok(record) if record.id == d.id => found.push(record),
+                Ok(record) => {
+                    warn!(tenant = self.stream.tenant, resource = %self.stream.resource,
+                        asked = d.id, answered = record.id,
+                        "the single-record GET answered with another id; the record is not deleted");
+                }
+                Err(e) if e.status() == Some(404) => gone.push(d),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok((gone, found))
+    }
+
+    /// Records a sink that keeps failing retriably as the stream's last error.
+    fn record_sink_stall(&self, failed: usize, attempts: u32, error: Option<&str>) {
+        metrics::counter!(metric::SINK_STALLS, "tenant" => self.stream.tenant.to_string(),
+            "resource" => self.stream.resource.as_str(), "sink" => self.sink.name().to_string())
+        .increment(1);
+        let message = format!(
+            "sink {} has not acknowledged {failed} event(s) after {attempts} attempts: {}; \
+             still retrying, nothing committed meanwhile",
+            self.sink.name(),
+            error.unwrap_or("no error given")
+        );
+        let saved = self.store.load_stream(self.stream).and_then(|mut state| {
+            state.last_error = Some(message);
+            state.last_error_at = Some(Utc::now());
+            self.store.save_stream(self.stream, &state)
+        });
+        if let Err(e) = saved {
+            warn!(tenant = self.stream.tenant, resource = %self.stream.resource, error = %e,
+                "cannot record the sink failure on the stream");
+        }
     }
 
     fn count_event(&self, e: &Event) {
@@ -702,6 +789,10 @@ impl Sweeper {
                 sink = self.sink.name(), failed = retry.len(), attempt,
                 error = last_error.as_deref().unwrap_or(""),
                 "sink did not acknowledge every event; retrying without committing");
+            if attempt == SINK_ATTEMPTS_BEFORE_RECORDING {
+                // Still retrying, but visible: status, /readyz reasons, metrics.
+                self.record_sink_stall(retry.len(), attempt, last_error.as_deref());
+            }
             let jitter = rand::random::<f64>() * 0.2 + 0.9;
             tokio::select! {
                 _ = tokio::time::sleep(backoff.mul_f64(jitter)) => {}
@@ -715,30 +806,122 @@ impl Sweeper {
     }
 }
 
+/// Retriable sink failures of one batch after which the stream shows the error
+/// (the sweep keeps retrying).
+const SINK_ATTEMPTS_BEFORE_RECORDING: u32 = 5;
+
+/// Deletes confirmed, published and committed together (one GET each first).
+const DELETE_CHUNK: usize = 50;
+
+/// A listed record whose change the page publishes.
 struct PendingChange<'a> {
     record: &'a Record,
-    op: Op,
     hash: ContentHash,
-    previous: Option<ContentHash>,
-    generation: u32,
+    change: Change,
     updated_at_micros: Option<i64>,
 }
 
+impl PendingChange<'_> {
+    /// The journal entry: every input of the event id, so a re-publish keeps it.
+    fn intent(&self) -> Intent {
+        Intent {
+            hash: self.hash,
+            updated_at: self.updated_at_micros,
+            generation: self.change.generation,
+            seq: self.change.seq,
+            op: Some(self.change.op),
+            previous: self.change.previous,
+            replay: self.change.replay,
+        }
+    }
+
+    fn event(&self, stream: StreamKey, detected_at: DateTime<Utc>) -> Event {
+        let replay_id = self.change.replay.map(hex::encode);
+        event::record_event(&RecordChange {
+            stream,
+            record_id: &self.record.id.to_string(),
+            generation: self.change.generation,
+            seq: self.change.seq,
+            op: self.change.op,
+            updated_at: self.record.updated_at.as_deref(),
+            content_hash: &self.hash.to_hex(),
+            previous_hash: self.change.previous.map(|p| p.to_hex()).as_deref(),
+            replay_id: replay_id.as_deref(),
+            data: &self.record.raw,
+            detected_at,
+        })
+    }
+}
+
 /// A record a full sweep will delete, with the last version possibly published.
+#[derive(Debug, Clone, Copy)]
 struct Doomed {
     id: i64,
     generation: u32,
     last_hash: ContentHash,
     updated_at: Option<i64>,
+    seq: u64,
+    replay: Option<[u8; 16]>,
 }
 
 impl Doomed {
-    fn new(id: i64, generation: u32, last_hash: ContentHash, updated_at: Option<i64>) -> Self {
-        Self {
-            id,
-            generation,
-            last_hash,
-            updated_at,
+    /// The delete of a record that is `committed` (or only journalled), given
+    /// its pending intent: a journalled delete is re-published exactly; an
+    /// upsert intent is the last version downstream may have seen.
+    fn new(
+        id: i64,
+        committed: Option<&RecordState>,
+        intent: Option<&Intent>,
+        replay: Option<[u8; 16]>,
+    ) -> Self {
+        let committed_seq = committed.map_or(0, |r| r.seq);
+        match (intent, committed) {
+            (Some(i), _) if i.is_delete() => Self {
+                id,
+                generation: i.generation,
+                last_hash: i.hash,
+                updated_at: i.updated_at,
+                seq: i.seq,
+                replay: i.replay,
+            },
+            (Some(i), _) => Self {
+                id,
+                generation: i.generation,
+                last_hash: i.hash,
+                updated_at: i.updated_at,
+                seq: i.seq.max(committed_seq).saturating_add(1),
+                replay,
+            },
+            (None, Some(r)) => Self {
+                id,
+                generation: r.generation,
+                last_hash: r.hash,
+                updated_at: r.updated_at,
+                seq: r.seq.saturating_add(1),
+                replay,
+            },
+            // Not reachable: a doomed record is committed or journalled.
+            (None, None) => Self {
+                id,
+                generation: 0,
+                last_hash: ContentHash([0; 16]),
+                updated_at: None,
+                seq: 1,
+                replay,
+            },
+        }
+    }
+
+    /// The journal entry of the delete (its `hash` is the last version's).
+    fn intent(&self) -> Intent {
+        Intent {
+            hash: self.last_hash,
+            updated_at: self.updated_at,
+            generation: self.generation,
+            seq: self.seq,
+            op: Some(Op::Delete),
+            previous: None,
+            replay: self.replay,
         }
     }
 
@@ -746,7 +929,6 @@ impl Doomed {
     fn event(
         &self,
         stream: StreamKey,
-        replay_id: Option<&str>,
         detected_at: DateTime<Utc>,
         ignore: &IgnoreKeys,
     ) -> Result<Event, SweepError> {
@@ -756,15 +938,17 @@ impl Doomed {
             source,
         })?;
         let updated_at = self.updated_at.and_then(format_micros);
+        let replay_id = self.replay.map(hex::encode);
         Ok(event::record_event(&RecordChange {
             stream,
             record_id: &self.id.to_string(),
             generation: self.generation,
+            seq: self.seq,
             op: Op::Delete,
             updated_at: updated_at.as_deref(),
             content_hash: &hash.to_hex(),
             previous_hash: Some(&self.last_hash.to_hex()),
-            replay_id,
+            replay_id: replay_id.as_deref(),
             data: &data,
             detected_at,
         }))
@@ -781,6 +965,16 @@ impl Doomed {
             },
         )
     }
+}
+
+/// The wait before the `failures`-th failed full sweep is tried again:
+/// `initial` doubled per failure, at most `max`.
+pub fn full_retry_delay(failures: u32, initial: Duration, max: Duration) -> Duration {
+    let doublings = failures.saturating_sub(1).min(20);
+    initial
+        .saturating_mul(1 << doublings)
+        .min(max)
+        .max(initial.min(max))
 }
 
 /// The `data` of a delete event: just the record id.
@@ -816,6 +1010,7 @@ pub fn schedule_replay(
         requested_at: Utc::now(),
         pending: true,
         records: 0,
+        epoch: None,
     });
     state.watermark = since;
     store.save_stream(stream, &state)?;

@@ -37,6 +37,15 @@ pub mod metric {
     pub const SWEEPS: &str = "voucher_cdc_sweeps_total";
     /// Full sweeps that refused to delete more than `max_delete_fraction`, by `tenant`, `resource`.
     pub const DELETES_REFUSED: &str = "voucher_cdc_deletes_refused_total";
+    /// Records missing from a full listing that the single-record GET still
+    /// found (no delete published), by `tenant`, `resource`.
+    pub const DELETES_RESCINDED: &str = "voucher_cdc_deletes_rescinded_total";
+    /// Records whose `updated_at` is not RFC 3339 (the event's `time` is then
+    /// the detection time), by `tenant`, `resource`.
+    pub const UNREADABLE_UPDATED_AT: &str = "voucher_cdc_unreadable_updated_at_total";
+    /// Publish batches still unacknowledged after 5 retriable failures (the
+    /// error is then the stream's last error), by `tenant`, `resource`, `sink`.
+    pub const SINK_STALLS: &str = "voucher_cdc_sink_stalls_total";
     /// 1 when the sink's health check passes, by `sink`.
     pub const SINK_UP: &str = "voucher_cdc_sink_up";
 }

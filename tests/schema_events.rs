@@ -52,6 +52,7 @@ fn change_event(resource: Resource, op: Op, data: &str, replay_id: Option<&str>)
         stream,
         record_id: &record_id,
         generation: 0,
+        seq: 0,
         op,
         updated_at,
         content_hash: &content_hash,

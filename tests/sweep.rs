@@ -668,3 +668,180 @@ async fn a_published_create_whose_commit_was_lost_is_deleted_when_the_record_van
     assert_eq!(events[0]["previoushash"], acked[0]["contenthash"]);
     assert!(h.store.pending_intents(stream).unwrap().is_empty());
 }
+
+#[tokio::test]
+async fn a_replay_interrupted_between_pages_resumes_without_re_emitting_under_new_ids() {
+    let h = spawn_harness(1, 160, 2).await;
+    let stream = StreamKey::new(1, V);
+    h.sweep(1, V, SweepKind::Incremental).await;
+    let ids = h.sim.record_ids(1, V);
+    // Changed before the replay: their snapshots carry a new hash and sequence.
+    h.sim.update_silently(1, V, ids[3]);
+    h.sim.update_silently(1, V, ids[120]);
+    let replay_id = schedule_replay(h.store.as_ref(), stream, None).unwrap();
+
+    // Shutdown arrives while the first page is in flight: the page commits, the sweep stops.
+    h.sink.take();
+    let sweeper = h.sweeper(stream);
+    sweeper.shutdown.cancel();
+    let err = sweeper.run(SweepKind::Incremental).await.unwrap_err();
+    assert!(matches!(err, SweepError::Interrupted), "{err}");
+    let first: Vec<Value> = h.sink.take().iter().map(json).collect();
+    assert_eq!(first[0]["type"], "replay.started");
+    let first_records: Vec<&Value> = first.iter().filter(|e| e["op"] == "snapshot").collect();
+    assert_eq!(
+        first_records.len(),
+        50,
+        "one page of snapshots before the stop"
+    );
+
+    let resumed = h.sweep(1, V, SweepKind::Incremental).await;
+    // The frame is re-announced with its id; no record of the first page comes again.
+    assert_eq!(resumed[0]["id"], first[0]["id"]);
+    let first_subjects: HashSet<&str> = first_records
+        .iter()
+        .map(|e| e["subject"].as_str().unwrap())
+        .collect();
+    let again: Vec<&Value> = resumed
+        .iter()
+        .filter(|e| {
+            e["op"] == "snapshot" && first_subjects.contains(e["subject"].as_str().unwrap())
+        })
+        .collect();
+    assert!(again.is_empty(), "re-emitted after the resume: {again:?}");
+    let snapshots = resumed.iter().filter(|e| e["op"] == "snapshot").count();
+    assert_eq!(snapshots + first_records.len(), 160);
+    assert!(resumed
+        .iter()
+        .filter(|e| e["op"] == "snapshot")
+        .all(|e| e["replayid"] == replay_id.as_str()));
+    assert_eq!(resumed.last().unwrap()["type"], "replay.completed");
+    assert!(!h.store.load_stream(stream).unwrap().replay.unwrap().pending);
+}
+
+#[tokio::test]
+async fn a_replay_that_finds_most_records_gone_deletes_them_once_confirmed_and_does_not_loop() {
+    let h = spawn_harness(1, 40, 2).await;
+    let stream = StreamKey::new(1, V);
+    h.sweep(1, V, SweepKind::Incremental).await;
+    let gone: Vec<i64> = h.sim.record_ids(1, V).into_iter().take(30).collect();
+    for id in &gone {
+        h.sim.delete(1, V, *id);
+    }
+    // A normal full sweep refuses (the guard), and says how to go on.
+    let err = h.sweeper(stream).run(SweepKind::Full).await.unwrap_err();
+    assert!(err.to_string().contains("voucher-cdc replay"), "{err}");
+    let state = h.store.load_stream(stream).unwrap();
+    assert_eq!(state.full_sweep_failures, 1);
+    assert!(
+        state.full_sweep_retry_at.is_some(),
+        "the full sweep backs off"
+    );
+
+    // The advice works: the replay confirms each delete and completes.
+    h.sim.clear_request_log();
+    schedule_replay(h.store.as_ref(), stream, None).unwrap();
+    let events = h.sweep(1, V, SweepKind::Incremental).await;
+    let deletes: Vec<i64> = subjects(
+        &events
+            .iter()
+            .filter(|e| e["op"] == "delete")
+            .cloned()
+            .collect::<Vec<_>>(),
+    );
+    let mut expected = gone.clone();
+    expected.sort();
+    assert_eq!(deletes, expected);
+    let gets = h
+        .sim
+        .request_log()
+        .iter()
+        .filter(|r| {
+            r.path
+                .rsplit('/')
+                .next()
+                .is_some_and(|last| last.parse::<i64>().is_ok())
+        })
+        .filter(|r| r.status == 404)
+        .count();
+    assert_eq!(gets, 30, "one confirming GET per delete");
+    assert_eq!(events.last().unwrap()["type"], "replay.completed");
+    assert!(!h.store.load_stream(stream).unwrap().replay.unwrap().pending);
+    assert_eq!(h.store.record_count(stream).unwrap(), 10);
+    // Nothing pending: the next sweeps are quiet.
+    assert!(h.sweep(1, V, SweepKind::Incremental).await.is_empty());
+    assert!(h.sweep(1, V, SweepKind::Full).await.is_empty());
+}
+
+#[tokio::test]
+async fn an_orphan_intent_in_a_store_that_knows_no_record_is_deleted_not_refused() {
+    let h = spawn_harness(1, 5, 0).await;
+    let stream = StreamKey::new(1, C);
+    assert!(h.sweep(1, C, SweepKind::Incremental).await.is_empty());
+    assert!(h.store.load_stream(stream).unwrap().watermark.is_some());
+    // A create that was published, never committed, and is gone upstream.
+    let published = voucher_cdc::diff::ContentHash([7; 16]);
+    h.store
+        .write_intents(
+            stream,
+            &[(
+                4242,
+                Intent {
+                    hash: published,
+                    updated_at: None,
+                    generation: 0,
+                    seq: 1,
+                    op: Some(voucher_cdc::event::Op::Create),
+                    previous: None,
+                    replay: None,
+                },
+            )],
+        )
+        .unwrap();
+    let events = h.sweep(1, C, SweepKind::Full).await;
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["op"], "delete");
+    assert_eq!(events[0]["subject"], "4242");
+    assert_eq!(events[0]["previoushash"], published.to_hex());
+    assert!(h.store.pending_intents(stream).unwrap().is_empty());
+    assert!(h.sweep(1, C, SweepKind::Full).await.is_empty());
+}
+
+#[tokio::test]
+async fn a_record_deleted_and_listed_again_gets_a_new_generation_and_a_new_id() {
+    let h = spawn_harness(1, 10, 0).await;
+    let stream = StreamKey::new(1, V);
+    let first = h.sweep(1, V, SweepKind::Incremental).await;
+    let id = h.sim.record_ids(1, V)[4];
+    let snapshot = first.iter().find(|e| subject_is(e, id)).unwrap().clone();
+    // A delete whose commit never happened: the delete intent alone is on disk.
+    let committed = h.store.get_records(stream, &[id]).unwrap()[0].unwrap();
+    h.store
+        .write_intents(
+            stream,
+            &[(
+                id,
+                Intent {
+                    hash: committed.hash,
+                    updated_at: committed.updated_at,
+                    generation: committed.generation,
+                    seq: committed.seq + 1,
+                    op: Some(voucher_cdc::event::Op::Delete),
+                    previous: None,
+                    replay: None,
+                },
+            )],
+        )
+        .unwrap();
+    // The record is listed again with identical content: downstream may have
+    // seen the delete, so it is re-created, under an id never used before.
+    h.sim.update(1, V, id);
+    let events = h.sweep(1, V, SweepKind::Incremental).await;
+    let again = events.iter().find(|e| subject_is(e, id)).unwrap();
+    assert_eq!(again["op"], "create");
+    assert!(again.get("previoushash").is_none());
+    assert_ne!(again["id"], snapshot["id"]);
+    let stored = h.store.get_records(stream, &[id]).unwrap()[0].unwrap();
+    assert_eq!(stored.generation, committed.generation + 1);
+    assert!(h.store.pending_intents(stream).unwrap().is_empty());
+}

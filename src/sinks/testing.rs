@@ -250,6 +250,7 @@ pub fn sample_event(stream: StreamKey, id: i64) -> Event {
         stream,
         record_id: &record_id,
         generation: 0,
+        seq: 0,
         op: Op::Create,
         updated_at: Some("2024-05-01T10:00:00Z"),
         content_hash: &hash[..32],

@@ -7,8 +7,9 @@
 //!   (18 bytes; flipping the sign bit makes byte order equal numeric order),
 //!   where `n` is the record id for a tombstone and the bucket `id >> 5` for records;
 //! * record state: `flags u8 | hash [16] | updated_at i64 BE (only if flags bit 0) |
-//!   seen_epoch varint | generation varint`; a tombstone is the same head followed
-//!   by `generation varint`;
+//!   seen_epoch varint | generation varint | seq varint (only if flags bit 1)`;
+//!   a tombstone is the same head (bit 0 only) followed by `generation varint`;
+//!   layout 1 never set bit 1, so its records read as change sequence 0;
 //! * records are stored 32 ids to a bucket (`id >> 5`): the bucket value is
 //!   `presence u32 BE` (bit `id & 31` set when that id is present) followed by
 //!   the record states of the present ids in id order. Pages list neighbouring
@@ -17,9 +18,13 @@
 //! * the number of records of a stream: key `b'n' | tenant | tag`, value u64 BE,
 //!   updated in the same batch as the buckets;
 //! * intents are journalled per publish batch: key `b'j' | tenant | tag | seq u64 BE`,
-//!   value `count varint | (id i64 BE | intent value)*`.
+//!   value `count varint | (id i64 BE | intent value)*`, an intent value being
+//!   `flags u8 | hash [16] | updated_at (bit 0) | generation varint |
+//!   seq varint (bit 1) | op u8 (bit 2) | previous hash [16] (bit 3) |
+//!   replay id [16] (bit 4)`; layout 1 intents carry bit 0 at most.
 
 use crate::diff::ContentHash;
+use crate::event::Op;
 use crate::stream::{Resource, StreamKey};
 
 use super::{Intent, RecordState, Tombstone};
@@ -43,6 +48,12 @@ pub(crate) const RECORD_KEY_LEN: usize = 18;
 pub(crate) const PREFIX_LEN: usize = 10;
 
 const FLAG_UPDATED_AT: u8 = 1;
+const FLAG_SEQ: u8 = 1 << 1;
+const FLAG_OP: u8 = 1 << 2;
+const FLAG_PREVIOUS: u8 = 1 << 3;
+const FLAG_REPLAY: u8 = 1 << 4;
+const RECORD_FLAGS: u8 = FLAG_UPDATED_AT | FLAG_SEQ;
+const INTENT_FLAGS: u8 = FLAG_UPDATED_AT | FLAG_SEQ | FLAG_OP | FLAG_PREVIOUS | FLAG_REPLAY;
 
 /// The 9-byte key of a stream in the `streams` tree.
 pub(crate) fn stream_key(key: StreamKey) -> [u8; 9] {
@@ -87,13 +98,16 @@ pub(crate) fn key_id(key: &[u8]) -> Option<i64> {
     Some((u64::from_be_bytes(tail) ^ (1 << 63)) as i64)
 }
 
-/// Appends the shared head: flags, hash, optional updated_at.
-fn put_head(out: &mut Vec<u8>, hash: ContentHash, updated_at: Option<i64>) {
-    out.push(if updated_at.is_some() {
-        FLAG_UPDATED_AT
-    } else {
-        0
-    });
+/// Appends the shared head: flags (bit 0 set from `updated_at`, `extra` or'ed in), hash, optional updated_at.
+fn put_head(out: &mut Vec<u8>, hash: ContentHash, updated_at: Option<i64>, extra: u8) {
+    out.push(
+        extra
+            | if updated_at.is_some() {
+                FLAG_UPDATED_AT
+            } else {
+                0
+            },
+    );
     out.extend_from_slice(&hash.0);
     if let Some(t) = updated_at {
         out.extend_from_slice(&t.to_be_bytes());
@@ -120,9 +134,10 @@ impl Reader<'_> {
         Some(*head)
     }
 
-    fn head(&mut self) -> Option<(ContentHash, Option<i64>)> {
+    /// Reads a head whose flags may only use the bits in `allowed`; returns the flags too.
+    fn head(&mut self, allowed: u8) -> Option<(u8, ContentHash, Option<i64>)> {
         let [flags] = self.take::<1>()?;
-        if flags & !FLAG_UPDATED_AT != 0 {
+        if flags & !allowed != 0 {
             return None;
         }
         let hash = ContentHash(self.take::<16>()?);
@@ -131,7 +146,7 @@ impl Reader<'_> {
         } else {
             None
         };
-        Some((hash, updated_at))
+        Some((flags, hash, updated_at))
     }
 
     fn varint(&mut self) -> Option<u64> {
@@ -179,9 +194,13 @@ impl Bucket {
 }
 
 fn put_record(out: &mut Vec<u8>, state: &RecordState) {
-    put_head(out, state.hash, state.updated_at);
+    let extra = if state.seq != 0 { FLAG_SEQ } else { 0 };
+    put_head(out, state.hash, state.updated_at, extra);
     put_varint(out, state.seen_epoch);
     put_varint(out, u64::from(state.generation));
+    if state.seq != 0 {
+        put_varint(out, state.seq);
+    }
 }
 
 /// Encodes a bucket.
@@ -214,14 +233,20 @@ pub(crate) fn decode_bucket(bytes: &[u8]) -> Option<Bucket> {
         if presence & (1 << slot) == 0 {
             continue;
         }
-        let (hash, updated_at) = r.head()?;
+        let (flags, hash, updated_at) = r.head(RECORD_FLAGS)?;
         let seen_epoch = r.varint()?;
         let generation = u32::try_from(r.varint()?).ok()?;
+        let seq = if flags & FLAG_SEQ != 0 {
+            r.varint()?
+        } else {
+            0
+        };
         *cell = Some(RecordState {
             hash,
             updated_at,
             seen_epoch,
             generation,
+            seq,
         });
     }
     r.finish(bucket)
@@ -247,9 +272,53 @@ pub(crate) fn encode_journal(intents: &[(i64, Intent)], out: &mut Vec<u8>) {
     put_varint(out, intents.len() as u64);
     for (id, intent) in intents {
         out.extend_from_slice(&id.to_be_bytes());
-        put_head(out, intent.hash, intent.updated_at);
+        let mut extra = 0;
+        if intent.seq != 0 {
+            extra |= FLAG_SEQ;
+        }
+        if intent.op.is_some() {
+            extra |= FLAG_OP;
+        }
+        if intent.previous.is_some() {
+            extra |= FLAG_PREVIOUS;
+        }
+        if intent.replay.is_some() {
+            extra |= FLAG_REPLAY;
+        }
+        put_head(out, intent.hash, intent.updated_at, extra);
         put_varint(out, u64::from(intent.generation));
+        if intent.seq != 0 {
+            put_varint(out, intent.seq);
+        }
+        if let Some(op) = intent.op {
+            out.push(op_tag(op));
+        }
+        if let Some(previous) = intent.previous {
+            out.extend_from_slice(&previous.0);
+        }
+        if let Some(replay) = intent.replay {
+            out.extend_from_slice(&replay);
+        }
     }
+}
+
+fn op_tag(op: Op) -> u8 {
+    match op {
+        Op::Create => b'c',
+        Op::Update => b'u',
+        Op::Snapshot => b's',
+        Op::Delete => b'd',
+    }
+}
+
+fn op_from_tag(tag: u8) -> Option<Op> {
+    Some(match tag {
+        b'c' => Op::Create,
+        b'u' => Op::Update,
+        b's' => Op::Snapshot,
+        b'd' => Op::Delete,
+        _ => return None,
+    })
 }
 
 /// Decodes a journal entry; None when the bytes are malformed.
@@ -260,14 +329,39 @@ pub(crate) fn decode_journal(bytes: &[u8]) -> Option<Vec<(i64, Intent)>> {
     let mut intents = Vec::with_capacity(count.min(bytes.len() / 26));
     for _ in 0..count {
         let id = i64::from_be_bytes(r.take::<8>()?);
-        let (hash, updated_at) = r.head()?;
+        let (flags, hash, updated_at) = r.head(INTENT_FLAGS)?;
         let generation = u32::try_from(r.varint()?).ok()?;
+        let seq = if flags & FLAG_SEQ != 0 {
+            r.varint()?
+        } else {
+            0
+        };
+        let op = if flags & FLAG_OP != 0 {
+            let [tag] = r.take::<1>()?;
+            Some(op_from_tag(tag)?)
+        } else {
+            None
+        };
+        let previous = if flags & FLAG_PREVIOUS != 0 {
+            Some(ContentHash(r.take::<16>()?))
+        } else {
+            None
+        };
+        let replay = if flags & FLAG_REPLAY != 0 {
+            Some(r.take::<16>()?)
+        } else {
+            None
+        };
         intents.push((
             id,
             Intent {
                 hash,
                 updated_at,
                 generation,
+                seq,
+                op,
+                previous,
+                replay,
             },
         ));
     }
@@ -277,14 +371,14 @@ pub(crate) fn decode_journal(bytes: &[u8]) -> Option<Vec<(i64, Intent)>> {
 /// Encodes a tombstone.
 pub(crate) fn encode_tombstone(tombstone: &Tombstone, out: &mut Vec<u8>) {
     out.clear();
-    put_head(out, tombstone.last_hash, tombstone.updated_at);
+    put_head(out, tombstone.last_hash, tombstone.updated_at, 0);
     put_varint(out, u64::from(tombstone.generation));
 }
 
 /// Decodes a tombstone; None when the bytes are malformed.
 pub(crate) fn decode_tombstone(bytes: &[u8]) -> Option<Tombstone> {
     let mut r = Reader { bytes };
-    let (last_hash, updated_at) = r.head()?;
+    let (_, last_hash, updated_at) = r.head(FLAG_UPDATED_AT)?;
     let generation = u32::try_from(r.varint()?).ok()?;
     r.finish(Tombstone {
         generation,
@@ -355,6 +449,7 @@ mod tests {
                 updated_at: Some(1_700_000_000_000_000),
                 seen_epoch: 12,
                 generation: 0,
+                seq: 0,
             });
         }
         bucket
@@ -387,6 +482,7 @@ mod tests {
             updated_at: None,
             seen_epoch: 300,
             generation: 2,
+            seq: 7,
         });
         let mut out = Vec::new();
         encode_bucket(&bucket, &mut out);
@@ -400,6 +496,9 @@ mod tests {
         let mut bad_flags = out.clone();
         bad_flags[4] = 0x80;
         assert_eq!(decode_bucket(&bad_flags), None);
+        // Bit 2 belongs to intents only.
+        bad_flags[4] = FLAG_OP;
+        assert_eq!(decode_bucket(&bad_flags), None);
     }
 
     proptest! {
@@ -409,15 +508,22 @@ mod tests {
             updated_at in any::<Option<i64>>(),
             seen_epoch in any::<u64>(),
             generation in any::<u32>(),
+            seq in any::<u64>(),
+            op in proptest::option::of(proptest::sample::select(vec![Op::Create, Op::Update, Op::Snapshot, Op::Delete])),
+            previous in any::<Option<[u8; 16]>>(),
+            replay in any::<Option<[u8; 16]>>(),
         ) {
             let mut out = Vec::new();
-            let record = RecordState { hash: ContentHash(h), updated_at, seen_epoch, generation };
+            let record = RecordState { hash: ContentHash(h), updated_at, seen_epoch, generation, seq };
             let mut bucket = full_bucket();
             bucket.slots[(seen_epoch % 32) as usize] = None;
             bucket.slots[(generation % 32) as usize] = Some(record);
             encode_bucket(&bucket, &mut out);
             prop_assert_eq!(decode_bucket(&out), Some(bucket));
-            let intent = Intent { hash: ContentHash(h), updated_at, generation };
+            let intent = Intent {
+                hash: ContentHash(h), updated_at, generation, seq, op,
+                previous: previous.map(ContentHash), replay,
+            };
             let entry = vec![(seen_epoch as i64, intent), (-1, intent)];
             encode_journal(&entry, &mut out);
             prop_assert_eq!(decode_journal(&out), Some(entry));

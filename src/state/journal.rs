@@ -144,6 +144,10 @@ mod tests {
             hash: ContentHash([byte; 16]),
             updated_at: None,
             generation: 0,
+            seq: u64::from(byte),
+            op: Some(crate::event::Op::Update),
+            previous: None,
+            replay: None,
         }
     }
 

@@ -17,6 +17,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 use crate::diff::ContentHash;
+use crate::event::Op;
 use crate::stream::StreamKey;
 
 pub use sled_store::{SledStore, LAYOUT_MARKER, LAYOUT_VERSION};
@@ -34,6 +35,12 @@ pub struct ReplayState {
     pub pending: bool,
     /// Records emitted by the replay so far.
     pub records: u64,
+    /// The epoch the replay's records are committed with, fixed when its
+    /// first sweep starts: a replay resumed after a crash or shutdown skips
+    /// the records it already emitted (same epoch, same hash) instead of
+    /// emitting them again.
+    #[serde(default)]
+    pub epoch: Option<u64>,
 }
 
 /// Per-stream state; `Default` means "never synced".
@@ -60,6 +67,12 @@ pub struct StreamState {
     pub parked: Option<String>,
     /// Records whose hash the store knows.
     pub records_known: u64,
+    /// Full sweeps (not replays) failed in a row since the last one that completed.
+    pub full_sweep_failures: u32,
+    /// After a failed full sweep: no full sweep before this time (incremental
+    /// sweeps go on meanwhile), so a failing full listing does not spend the
+    /// shared budget on every poll.
+    pub full_sweep_retry_at: Option<DateTime<Utc>>,
 }
 
 /// What the store knows about one committed record.
@@ -73,17 +86,46 @@ pub struct RecordState {
     pub seen_epoch: u64,
     /// How many deletes of this record id were seen before.
     pub generation: u32,
+    /// Change sequence of the last committed change (part of the event id:
+    /// a record flipping A→B→A→B gets a new id for the second A→B).
+    pub seq: u64,
 }
 
-/// A journalled publish: the record may have reached the sink, its hash is not committed yet.
+/// A journalled publish: the change may have reached the sink, it is not committed yet.
+///
+/// It holds every input of the event's id, so a re-publish after a crash
+/// carries exactly the id the first publish had.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Intent {
-    /// Content hash of the version being published.
+    /// Upserts: content hash of the version being published. Deletes: the
+    /// hash of the record's last version (the delete's `previoushash`).
     pub hash: ContentHash,
     /// The record's `updated_at` in unix microseconds, if any.
     pub updated_at: Option<i64>,
     /// Delete generation of the version being published.
     pub generation: u32,
+    /// The change sequence this change commits as.
+    pub seq: u64,
+    /// The event's `op`; `None` for intents journalled by layout 1, which did not record it.
+    pub op: Option<Op>,
+    /// The event's `previoushash` (upserts only).
+    pub previous: Option<ContentHash>,
+    /// The replay id the event was published under, as 16 bytes.
+    pub replay: Option<[u8; 16]>,
+}
+
+impl Intent {
+    /// True for a journalled `*.deleted`.
+    pub fn is_delete(&self) -> bool {
+        self.op == Some(Op::Delete)
+    }
+}
+
+/// A replay id (32 hex digits) as the 16 bytes an intent stores; None when it is not 32 hex digits.
+pub fn replay_id_bytes(replay_id: &str) -> Option<[u8; 16]> {
+    let mut out = [0u8; 16];
+    hex::decode_to_slice(replay_id, &mut out).ok()?;
+    Some(out)
 }
 
 /// What remains of a deleted record: enough to give a re-created record a new event id.
@@ -186,7 +228,8 @@ pub trait StateStore: Send + Sync + 'static {
         key: StreamKey,
         ids: &[i64],
     ) -> Result<Vec<Option<Tombstone>>, StateError>;
-    /// Journals intents before a publish, as one atomic batch.
+    /// Journals intents before a publish, as one atomic batch, and makes them
+    /// durable (fsync) before returning: the caller publishes right after.
     fn write_intents(&self, key: StreamKey, intents: &[(i64, Intent)]) -> Result<(), StateError>;
     /// Intents not yet cleared by a commit or delete, in id order.
     fn pending_intents(&self, key: StreamKey) -> Result<Vec<(i64, Intent)>, StateError>;

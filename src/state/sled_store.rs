@@ -20,8 +20,18 @@ use super::journal::{JournalPlan, StreamJournal};
 use super::{Intent, RecordState, StateError, StateStore, StreamState, Tombstone};
 use crate::stream::StreamKey;
 
-/// The on-disk layout this build reads and writes.
-pub const LAYOUT_VERSION: u32 = 1;
+/// The on-disk layout this build writes.
+///
+/// Layout 2 added the per-record change sequence and the full intent (op,
+/// previous hash, replay id) as optional fields behind flag bits; layout 1
+/// values are a subset of it, so a layout 1 store is upgraded in place on open.
+pub const LAYOUT_VERSION: u32 = 2;
+/// The oldest layout this build reads (and upgrades to [`LAYOUT_VERSION`]).
+const OLDEST_READABLE_LAYOUT: u32 = 1;
+
+fn readable(version: u32) -> bool {
+    (OLDEST_READABLE_LAYOUT..=LAYOUT_VERSION).contains(&version)
+}
 
 /// Meta key holding the layout version (u32 big-endian).
 const META_LAYOUT_VERSION: &[u8] = b"layout_version";
@@ -137,12 +147,21 @@ impl SledStore {
                 let found = <[u8; 4]>::try_from(bytes.as_ref())
                     .map(u32::from_be_bytes)
                     .map_err(|_| self.corrupt("the layout version is not a 4-byte integer"))?;
-                if found != LAYOUT_VERSION {
+                if !readable(found) {
                     return Err(StateError::UnsupportedVersion {
                         path: self.path.clone(),
                         found,
                         supported: LAYOUT_VERSION,
                     });
+                }
+                if found != LAYOUT_VERSION {
+                    self.meta
+                        .insert(META_LAYOUT_VERSION, &LAYOUT_VERSION.to_be_bytes())
+                        .map_err(|e| self.err(e))?;
+                    self.db.flush().map_err(|e| self.err(e))?;
+                    write_marker(&self.path)?;
+                    tracing::info!(path = %self.path.display(), from = found, to = LAYOUT_VERSION,
+                        "state store layout upgraded in place");
                 }
                 Ok(())
             }
@@ -390,6 +409,13 @@ impl StateStore for SledStore {
         add_journal_plan(&mut batch, key, &plan);
         self.apply(batch)?;
         journal.apply(&plan);
+        // The events of these intents may reach the sink the moment this
+        // returns: the journal must survive a kill -9 from then on.
+        self.flush()
+    }
+
+    fn flush(&self) -> Result<(), StateError> {
+        self.db.flush().map_err(|e| self.err(e))?;
         Ok(())
     }
 
@@ -503,11 +529,6 @@ impl StateStore for SledStore {
         journal.apply(&plan);
         Ok(())
     }
-
-    fn flush(&self) -> Result<(), StateError> {
-        self.db.flush().map_err(|e| self.err(e))?;
-        Ok(())
-    }
 }
 
 /// Adds the journal entry writes and removals of `plan` to `batch`.
@@ -557,7 +578,7 @@ fn read_marker(path: &Path) -> Result<Option<u32>, StateError> {
             path: path.to_path_buf(),
             detail: format!("{LAYOUT_MARKER} does not hold `layout_version = N`"),
         })?;
-    if found != LAYOUT_VERSION {
+    if !readable(found) {
         return Err(StateError::UnsupportedVersion {
             path: path.to_path_buf(),
             found,
@@ -655,6 +676,7 @@ mod tests {
             updated_at: Some(1_700_000_000_000_000 + i64::from(byte)),
             seen_epoch,
             generation: 0,
+            seq: u64::from(byte),
         }
     }
 
@@ -663,6 +685,10 @@ mod tests {
             hash: h(byte),
             updated_at: None,
             generation: 1,
+            seq: 2,
+            op: Some(crate::event::Op::Update),
+            previous: Some(h(byte.wrapping_add(1))),
+            replay: Some([byte; 16]),
         }
     }
 
@@ -705,6 +731,7 @@ mod tests {
                 requested_at: at,
                 pending: true,
                 records: 3,
+                epoch: Some(5),
             }),
             full_sweep_epoch: 4,
             last_error: Some("upstream 503".into()),
@@ -1142,6 +1169,75 @@ mod tests {
     }
 
     #[test]
+    fn a_layout_1_store_is_upgraded_in_place_and_its_records_read_as_sequence_0() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state");
+        {
+            let store = SledStore::open(&path).unwrap();
+            // A layout 1 bucket: one record (flags 1, hash, updated_at, epoch 3, generation 2)
+            // and a layout 1 journal entry (one intent without op, previous or replay).
+            let mut bucket = vec![0, 0, 0, 0b10];
+            bucket.push(1);
+            bucket.extend_from_slice(&[0xab; 16]);
+            bucket.extend_from_slice(&5i64.to_be_bytes());
+            bucket.extend_from_slice(&[3, 2]);
+            store
+                .catalog
+                .insert(&codec::record_key(KIND_RECORD, VOUCHERS, 0)[..], bucket)
+                .unwrap();
+            let mut entry = vec![1];
+            entry.extend_from_slice(&9i64.to_be_bytes());
+            entry.push(0);
+            entry.extend_from_slice(&[0xcd; 16]);
+            entry.push(4);
+            store
+                .catalog
+                .insert(&codec::journal_key(VOUCHERS, 0)[..], entry)
+                .unwrap();
+            store
+                .meta
+                .insert(META_LAYOUT_VERSION, &1u32.to_be_bytes())
+                .unwrap();
+            store.flush().unwrap();
+            std::fs::write(path.join(LAYOUT_MARKER), "layout_version = 1\n").unwrap();
+        }
+        let store = SledStore::open(&path).unwrap();
+        let record = store.get_records(VOUCHERS, &[1]).unwrap()[0].unwrap();
+        assert_eq!(
+            record,
+            RecordState {
+                hash: ContentHash([0xab; 16]),
+                updated_at: Some(5),
+                seen_epoch: 3,
+                generation: 2,
+                seq: 0,
+            }
+        );
+        let intents = store.pending_intents(VOUCHERS).unwrap();
+        assert_eq!(
+            intents,
+            vec![(
+                9,
+                Intent {
+                    hash: ContentHash([0xcd; 16]),
+                    updated_at: None,
+                    generation: 4,
+                    seq: 0,
+                    op: None,
+                    previous: None,
+                    replay: None,
+                }
+            )]
+        );
+        assert_eq!(
+            std::fs::read_to_string(path.join(LAYOUT_MARKER)).unwrap(),
+            "layout_version = 2\n"
+        );
+        drop(store);
+        assert!(SledStore::open(&path).is_ok(), "reopens as layout 2");
+    }
+
+    #[test]
     fn a_store_written_by_another_layout_version_refuses_to_open() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("state");
@@ -1157,7 +1253,7 @@ mod tests {
         assert_eq!(
             err.to_string(),
             format!(
-                "state store {} was written by layout version 7; this build reads version 1 \
+                "state store {} was written by layout version 7; this build reads version 2 \
                  (upgrade voucher-cdc or point state.path elsewhere)",
                 path.display()
             )

@@ -109,6 +109,17 @@ pub enum UpstreamError {
         /// The last attempt's HTTP status, when it got one.
         last_status: Option<u16>,
     },
+    /// A listing that does not end: a cursor came back that the listing had
+    /// already followed (a cycle), or it ran past its page limit.
+    #[error("listing {path} does not end: {reason} after {pages} pages; the sweep stops and the watermark does not move")]
+    EndlessListing {
+        /// Request path below the base URL, without query.
+        path: String,
+        /// Pages listed before the listing was stopped.
+        pages: u64,
+        /// A repeated cursor or the page limit.
+        reason: String,
+    },
     /// The client cannot be built from its options (base URL, token, TLS).
     #[error("invalid upstream client configuration: {0}")]
     Config(String),
@@ -139,6 +150,7 @@ impl UpstreamError {
             | UpstreamError::NotFound { .. }
             | UpstreamError::Validation { .. }
             | UpstreamError::UnexpectedStatus { .. }
+            | UpstreamError::EndlessListing { .. }
             | UpstreamError::Config(_) => false,
         }
     }
@@ -157,6 +169,7 @@ impl UpstreamError {
             UpstreamError::Timeout { .. }
             | UpstreamError::Transport { .. }
             | UpstreamError::InvalidResponse { .. }
+            | UpstreamError::EndlessListing { .. }
             | UpstreamError::Config(_) => None,
         }
     }

@@ -210,42 +210,117 @@ impl UpstreamClient {
     }
 
     /// Every page of a listing, following `next_cursor` untouched until it is null; ends after the first error.
+    ///
+    /// A cursor the listing already followed fails it (a cycle never ends).
     pub fn list_pages(
         &self,
         tenant: TenantId,
         resource: Resource,
         q: ListQuery,
     ) -> impl Stream<Item = Result<Page, UpstreamError>> + Send + 'static {
+        self.list_pages_bounded(tenant, resource, q, u64::MAX)
+    }
+
+    /// Like [`list_pages`](Self::list_pages), failing the listing with
+    /// [`UpstreamError::EndlessListing`] once it would request page `max_pages + 1`.
+    pub fn list_pages_bounded(
+        &self,
+        tenant: TenantId,
+        resource: Resource,
+        q: ListQuery,
+        max_pages: u64,
+    ) -> impl Stream<Item = Result<Page, UpstreamError>> + Send + 'static {
         let client = self.clone();
-        futures::stream::unfold(Some(q), move |next| {
+        let guard = ListingGuard::new(max_pages);
+        futures::stream::unfold(Some((q, guard)), move |next| {
             let client = client.clone();
             async move {
-                let query = next?;
+                let (query, mut guard) = next?;
                 let page = match client.list_page(tenant, resource, &query).await {
                     Ok(page) => page,
                     Err(err) => return Some((Err(err), None)),
                 };
                 let following = match &page.next_cursor {
                     None => None,
-                    Some(cursor) if query.cursor.as_ref() == Some(cursor) => {
-                        let err = UpstreamError::InvalidResponse {
-                            path: format!("/tenants/{tenant}/catalog/{resource}"),
-                            reason:
-                                "next_cursor repeats the cursor just sent, which would loop forever"
-                                    .into(),
-                        };
-                        return Some((Err(err), None));
-                    }
-                    Some(cursor) => Some(ListQuery {
-                        cursor: Some(cursor.clone()),
-                        ..query
-                    }),
+                    Some(cursor) => match guard.follow(cursor) {
+                        Ok(()) => Some((
+                            ListQuery {
+                                cursor: Some(cursor.clone()),
+                                ..query
+                            },
+                            guard,
+                        )),
+                        Err(reason) => {
+                            let err = UpstreamError::EndlessListing {
+                                path: format!("/tenants/{tenant}/catalog/{resource}"),
+                                pages: guard.pages(),
+                                reason,
+                            };
+                            return Some((Err(err), None));
+                        }
+                    },
                 };
                 Some((Ok(page), following))
             }
         })
     }
 }
+
+/// Makes a listing end: remembers every cursor followed and counts pages.
+#[derive(Debug, Clone)]
+pub struct ListingGuard {
+    followed: std::collections::HashSet<String>,
+    pages: u64,
+    max_pages: u64,
+}
+
+impl ListingGuard {
+    /// A guard for a listing of at most `max_pages` pages.
+    pub fn new(max_pages: u64) -> Self {
+        Self {
+            followed: std::collections::HashSet::new(),
+            pages: 1,
+            max_pages,
+        }
+    }
+
+    /// Pages answered so far.
+    pub fn pages(&self) -> u64 {
+        self.pages
+    }
+
+    /// Accepts following `cursor` to the next page, or says why the listing must stop.
+    pub fn follow(&mut self, cursor: &str) -> Result<(), String> {
+        if self.pages >= self.max_pages {
+            return Err(format!(
+                "the page limit of {} was reached (more pages than the records known explain; \
+                 raise poll.max_pages_floor if the catalog really is this large)",
+                self.max_pages
+            ));
+        }
+        if !self.followed.insert(cursor.to_string()) {
+            return Err(format!(
+                "next_cursor {:?} repeats a cursor this listing already followed (a cursor cycle)",
+                cursor.chars().take(40).collect::<String>()
+            ));
+        }
+        self.pages += 1;
+        Ok(())
+    }
+}
+
+/// The page limit of one listing: `floor`, or more when the records known need more pages.
+///
+/// A listing of `known` records takes `ceil(known / 50)` pages; records
+/// updated while the listing runs can move and be listed twice, so the limit
+/// allows twice that plus a margin before it calls a listing endless.
+pub fn page_limit(known: u64, floor: u64) -> u64 {
+    let needed = known.div_ceil(PAGE_SIZE);
+    floor.max(needed.saturating_mul(2).saturating_add(100))
+}
+
+/// Records per list page (fixed by the API).
+pub const PAGE_SIZE: u64 = 50;
 
 #[cfg(test)]
 mod tests {
@@ -346,6 +421,31 @@ mod tests {
             assert!(err.starts_with("body is not a list envelope: "), "{err}");
             assert!(err.contains(cause), "{err} lacks {cause}");
         }
+    }
+
+    #[test]
+    fn a_listing_guard_stops_at_any_repeated_cursor_and_at_the_page_limit() {
+        let mut guard = ListingGuard::new(10);
+        assert_eq!(guard.follow("a"), Ok(()));
+        assert_eq!(guard.follow("b"), Ok(()));
+        let err = guard.follow("a").unwrap_err();
+        assert!(err.contains("cursor cycle"), "{err}");
+        assert_eq!(guard.pages(), 3);
+
+        let mut guard = ListingGuard::new(3);
+        assert_eq!(guard.follow("1"), Ok(()));
+        assert_eq!(guard.follow("2"), Ok(()));
+        let err = guard.follow("3").unwrap_err();
+        assert!(err.contains("page limit of 3"), "{err}");
+        assert_eq!(guard.pages(), 3);
+    }
+
+    #[test]
+    fn the_page_limit_is_the_floor_or_twice_the_pages_of_the_records_known() {
+        assert_eq!(page_limit(0, 1000), 1000);
+        assert_eq!(page_limit(1_000_000, 1000), 40_100);
+        assert_eq!(page_limit(51, 0), 104);
+        assert!(page_limit(u64::MAX, 5) > u64::MAX / 50, "no overflow");
     }
 
     #[test]

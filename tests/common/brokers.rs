@@ -376,6 +376,7 @@ pub fn sample_event(stream: StreamKey, id: u64, op: Op, payload_bytes: usize) ->
             stream,
             record_id: &id.to_string(),
             generation: 0,
+            seq: 0,
             op,
             updated_at: Some("2024-05-01T10:00:00Z"),
             content_hash: &hash,
