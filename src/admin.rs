@@ -580,6 +580,45 @@ mod tests {
     }
 
     #[test]
+    fn status_during_a_first_sync_shows_the_records_committed_so_far_and_since_when() {
+        use crate::diff::ContentHash;
+        use crate::state::{RecordState, SledStore};
+        let dir = tempfile::tempdir().unwrap();
+        let store = SledStore::open(&dir.path().join("state")).unwrap();
+        let key = StreamKey::new(1, Resource::Vouchers);
+        let started = now() - chrono::Duration::minutes(3);
+        let state = StreamState {
+            last_sweep_started: Some(started),
+            ..Default::default()
+        };
+        store.save_stream(key, &state).unwrap();
+        let page: Vec<(i64, RecordState)> = (1..=3u8)
+            .map(|n| {
+                let record = RecordState {
+                    hash: ContentHash([n; 16]),
+                    updated_at: None,
+                    seen_epoch: 0,
+                    generation: 0,
+                };
+                (i64::from(n), record)
+            })
+            .collect();
+        store.commit_page(key, &page, &[], 0).unwrap();
+
+        let status = status_from_store(&store, &[key], now()).unwrap();
+        assert_eq!(status[0].records_known, 0, "the sweep has not finished");
+        assert_eq!(status[0].records_committed, 3);
+        assert_eq!(status[0].sweep_in_progress_since, Some(started));
+
+        let finished = StreamState {
+            last_sweep_finished: Some(now()),
+            ..state
+        };
+        let status = StreamStatus::from_state(key, &finished, now());
+        assert_eq!(status.sweep_in_progress_since, None);
+    }
+
+    #[test]
     fn since_accepts_rfc3339_dates_and_ages() {
         assert_eq!(
             parse_since("2024-04-30T10:00:00+02:00", now()).unwrap(),

@@ -891,6 +891,36 @@ mod tests {
     }
 
     #[test]
+    fn the_status_table_shows_a_first_sync_in_progress_with_its_records_so_far() {
+        let now = Utc::now();
+        let started = now - chrono::Duration::seconds(95);
+        let state = crate::state::StreamState {
+            last_sweep_started: Some(started),
+            ..Default::default()
+        };
+        let mut syncing =
+            StreamStatus::from_state(StreamKey::new(1, Resource::Vouchers), &state, now);
+        syncing.records_committed = 340;
+        let report = StatusReport {
+            streams: vec![syncing],
+            sink: None,
+        };
+        let text = format_status(&report, now);
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(
+            lines[1].contains(" 340 ") && lines[1].ends_with("syncing"),
+            "{text}"
+        );
+        assert_eq!(
+            lines[2],
+            format!(
+                "1/vouchers sweep in progress since {} (1m 35s ago), 340 records committed so far",
+                crate::event::format_time(started)
+            )
+        );
+    }
+
+    #[test]
     fn ages_are_short_and_readable() {
         assert_eq!(format_age(4.4), "4s");
         assert_eq!(format_age(125.0), "2m 5s");
