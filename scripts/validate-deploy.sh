@@ -157,6 +157,37 @@ else:
     if not any(state_path.startswith(mounts.get(c, "\0")) for c in claims):
         fail(f"StatefulSet voucher-cdc: state.path {state_path!r} is not on a volumeClaimTemplate mount")
 
+# Service links would put VOUCHER_CDC_<SERVICE>_PORT=tcp://... into the config's env prefix.
+if statefulset is not None:
+    if statefulset["spec"]["template"]["spec"].get("enableServiceLinks") is not False:
+        fail("StatefulSet voucher-cdc: set enableServiceLinks: false (service links inject VOUCHER_CDC_* variables)")
+    else:
+        ok("StatefulSet voucher-cdc: no service-link variables")
+
+# PrometheusRule: every metric exists, and the alerts are the ones docs/operations.md describes.
+metric_names = set(re.findall(r'"(voucher_cdc_[a-z0-9_]+)"', pathlib.Path("src/telemetry.rs").read_text()))
+rule = k8s.get(("PrometheusRule", "voucher-cdc"))
+if rule is None:
+    fail("deploy/kubernetes: PrometheusRule voucher-cdc is missing")
+elif "prometheusrule.yaml" not in kustomization.get("resources", []):
+    fail("deploy/kubernetes/kustomization.yaml: prometheusrule.yaml is not a resource")
+else:
+    rules = [r for g in rule["spec"]["groups"] for r in g["rules"]]
+    for r in rules:
+        if not r.get("alert") or not r.get("expr"):
+            fail(f"PrometheusRule voucher-cdc: a rule lacks alert or expr: {r}")
+            continue
+        used = {re.sub(r"_(bucket|sum|count)$", "", m) for m in re.findall(r"voucher_cdc_[a-z0-9_]+", r["expr"])}
+        missing = sorted(used - metric_names)
+        if missing:
+            fail(f"PrometheusRule voucher-cdc: alert {r['alert']} uses metrics not defined in src/telemetry.rs: {missing}")
+    shipped = {r.get("alert") for r in rules}
+    documented = set(re.findall(r"- alert: (\w+)", pathlib.Path("docs/operations.md").read_text()))
+    if shipped != documented:
+        fail(f"PrometheusRule voucher-cdc: alerts differ from docs/operations.md: only shipped {sorted(shipped - documented)}, only documented {sorted(documented - shipped)}")
+    else:
+        ok(f"PrometheusRule voucher-cdc: {len(rules)} alerts, as documented")
+
 # docker compose: configs it mounts, environment it sets.
 compose = documents.get(pathlib.Path("docker-compose.yml"), [{}])[0]
 for name, service in compose.get("services", {}).items():
@@ -211,7 +242,7 @@ if command -v kubectl >/dev/null 2>&1; then
     pass "kubectl kustomize deploy/kubernetes"
     if command -v kubernetes-validate >/dev/null 2>&1; then
       if out=$(kubernetes-validate --strict --quiet --no-warn <(printf '%s\n' "$rendered") 2>&1); then
-        pass "kubernetes-validate --strict (ServiceMonitor has no schema there)"
+        pass "kubernetes-validate --strict (ServiceMonitor and PrometheusRule have no schema there)"
       else
         fail "kubernetes-validate: $out"
       fi

@@ -45,8 +45,15 @@ pub struct StreamStatus {
     pub watermark: Option<DateTime<Utc>>,
     /// Now minus the watermark, in seconds.
     pub lag_seconds: Option<f64>,
-    /// Records whose hash the store knows.
+    /// Records whose hash the store knows, as of the last finished sweep.
     pub records_known: u64,
+    /// Records committed in the store right now: grows page by page during a
+    /// sweep (a long first sync shows its progress here).
+    #[serde(default)]
+    pub records_committed: u64,
+    /// When the sweep that is running now started (None between sweeps).
+    #[serde(default)]
+    pub sweep_in_progress_since: Option<DateTime<Utc>>,
     /// When the last sweep started.
     pub last_sweep_started: Option<DateTime<Utc>>,
     /// When the last successful sweep finished.
@@ -74,6 +81,11 @@ impl StreamStatus {
             watermark: state.watermark,
             lag_seconds: state.watermark.map(|w| telemetry::seconds_between(w, now)),
             records_known: state.records_known,
+            records_committed: state.records_known,
+            sweep_in_progress_since: state.last_sweep_started.filter(|started| {
+                state.last_sweep_finished.is_none_or(|f| f < *started)
+                    && state.last_error_at.is_none_or(|e| e < *started)
+            }),
             last_sweep_started: state.last_sweep_started,
             last_sweep_finished: state.last_sweep_finished,
             seconds_since_last_sweep: state
@@ -90,6 +102,11 @@ impl StreamStatus {
     /// The stream key.
     pub fn key(&self) -> StreamKey {
         StreamKey::new(self.tenant, self.resource)
+    }
+
+    /// True when the stream needs an operator: parked, or its last sweep failed.
+    pub fn needs_attention(&self) -> bool {
+        self.parked.is_some() || self.last_error.is_some()
     }
 }
 
@@ -113,7 +130,8 @@ pub struct StatusReport {
     pub sink: Option<SinkStatus>,
 }
 
-/// Reads the status of `streams` from a store.
+/// Reads the status of `streams` from a store, with the live record count of
+/// each (pages commit one by one, so it moves during a sweep).
 pub fn status_from_store(
     store: &dyn StateStore,
     streams: &[StreamKey],
@@ -123,9 +141,10 @@ pub fn status_from_store(
     keys.sort();
     keys.iter()
         .map(|key| {
-            store
-                .load_stream(*key)
-                .map(|state| StreamStatus::from_state(*key, &state, now))
+            let state = store.load_stream(*key)?;
+            let mut status = StreamStatus::from_state(*key, &state, now);
+            status.records_committed = store.record_count(*key)?;
+            Ok(status)
         })
         .collect()
 }
@@ -242,6 +261,7 @@ pub fn router(state: Arc<AdminState>) -> Router {
         .route("/v1/status", get(status))
         .route("/v1/tenants/{tenant}/replay", post(replay))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
 }
 
@@ -274,6 +294,18 @@ async fn not_found() -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
         "no such endpoint: valid ones are /healthz, /readyz, /metrics, GET /v1/status, POST /v1/tenants/{tenant}/replay",
+    )
+}
+
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    let allowed = if uri.path().ends_with("/replay") {
+        "POST"
+    } else {
+        "GET"
+    };
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("{method} is not allowed on {}: use {allowed}", uri.path()),
     )
 }
 
@@ -313,7 +345,7 @@ async fn sink_status(sink: &dyn Sink) -> SinkStatus {
         Ok(result) => result.map_err(|e| e.to_string()),
         Err(_) => Err(format!(
             "health check did not answer within {}",
-            humantime::format_duration(HEALTH_TIMEOUT)
+            telemetry::human_duration(HEALTH_TIMEOUT)
         )),
     };
     let healthy = result.is_ok();
@@ -329,8 +361,13 @@ async fn sink_status(sink: &dyn Sink) -> SinkStatus {
     }
 }
 
+/// Ready means the process can do its work: the store answers and the sink
+/// is reachable. Parked and failing streams are listed (`streams`) but do not
+/// fail readiness: one tenant that lost access must not keep the pod out of
+/// rollouts and node drains; `status`, metrics and alerts report them.
 async fn readyz(State(state): State<Arc<AdminState>>) -> Response {
     let mut reasons = Vec::new();
+    let mut streams = Vec::new();
     let sink = sink_status(state.sink.as_ref()).await;
     if let Some(error) = &sink.error {
         reasons.push(format!("sink {}: {error}", sink.name));
@@ -339,25 +376,22 @@ async fn readyz(State(state): State<Arc<AdminState>>) -> Response {
         match state.store.load_stream(*key) {
             Ok(s) => {
                 if let Some(reason) = s.parked {
-                    reasons.push(format!("stream {key} parked: {reason}"));
+                    streams.push(format!("stream {key} parked: {reason}"));
+                } else if let Some(error) = s.last_error {
+                    streams.push(format!("stream {key} last sweep failed: {error}"));
                 }
             }
-            Err(e) => reasons.push(format!("stream {key}: {e}")),
+            Err(e) => reasons.push(format!("state store: stream {key}: {e}")),
         }
     }
-    if reasons.is_empty() {
-        (
-            StatusCode::OK,
-            Json(serde_json::json!({ "ready": true, "reasons": [] })),
-        )
-            .into_response()
+    let ready = reasons.is_empty();
+    let code = if ready {
+        StatusCode::OK
     } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(serde_json::json!({ "ready": false, "reasons": reasons })),
-        )
-            .into_response()
-    }
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    let body = serde_json::json!({ "ready": ready, "reasons": reasons, "streams": streams });
+    (code, Json(body)).into_response()
 }
 
 /// Refreshes every stream's gauges from the store.
@@ -543,6 +577,45 @@ mod tests {
         DateTime::parse_from_rfc3339("2024-05-01T12:00:00Z")
             .unwrap()
             .with_timezone(&Utc)
+    }
+
+    #[test]
+    fn status_during_a_first_sync_shows_the_records_committed_so_far_and_since_when() {
+        use crate::diff::ContentHash;
+        use crate::state::{RecordState, SledStore};
+        let dir = tempfile::tempdir().unwrap();
+        let store = SledStore::open(&dir.path().join("state")).unwrap();
+        let key = StreamKey::new(1, Resource::Vouchers);
+        let started = now() - chrono::Duration::minutes(3);
+        let state = StreamState {
+            last_sweep_started: Some(started),
+            ..Default::default()
+        };
+        store.save_stream(key, &state).unwrap();
+        let page: Vec<(i64, RecordState)> = (1..=3u8)
+            .map(|n| {
+                let record = RecordState {
+                    hash: ContentHash([n; 16]),
+                    updated_at: None,
+                    seen_epoch: 0,
+                    generation: 0,
+                };
+                (i64::from(n), record)
+            })
+            .collect();
+        store.commit_page(key, &page, &[], 0).unwrap();
+
+        let status = status_from_store(&store, &[key], now()).unwrap();
+        assert_eq!(status[0].records_known, 0, "the sweep has not finished");
+        assert_eq!(status[0].records_committed, 3);
+        assert_eq!(status[0].sweep_in_progress_since, Some(started));
+
+        let finished = StreamState {
+            last_sweep_finished: Some(now()),
+            ..state
+        };
+        let status = StreamStatus::from_state(key, &finished, now());
+        assert_eq!(status.sweep_in_progress_since, None);
     }
 
     #[test]

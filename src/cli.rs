@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use clap::{Parser, Subcommand};
 
-use crate::admin::{self, ReplayResponse, ScheduledReplay, StatusReport, StreamStatus};
+use crate::admin::{self, ReplayResponse, ScheduledReplay, StatusReport};
 use crate::config::{self, Config};
 use crate::daemon::{self, Daemon};
 use crate::scheduler::StepOutcome;
@@ -32,7 +32,11 @@ pub const EXIT_OK: u8 = 0;
 pub const EXIT_FAILURE: u8 = 1;
 /// Exit code for a usage or configuration error.
 pub const EXIT_USAGE: u8 = 2;
+/// Exit code of `status` when a stream is parked or its last sweep failed.
+pub const EXIT_UNHEALTHY: u8 = 3;
 
+/// How long `status` and `replay` wait to learn whether a daemon answers.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long `status` waits for the admin API.
 const STATUS_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long `replay` waits for the admin API (a sweep in flight finishes its page first).
@@ -79,6 +83,7 @@ pub enum Command {
     /// Serve the upstream API simulator alone.
     Simulate(SimulateArgs),
     /// Per stream: watermark, records known, last sweep, lag, last error.
+    /// Exits 3 when a stream is parked or its last sweep failed.
     Status {
         /// Config file (TOML).
         #[arg(long, short, env = "VOUCHER_CDC_CONFIG")]
@@ -86,6 +91,9 @@ pub enum Command {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// Ask the daemon at this admin API URL (e.g. through `kubectl port-forward`).
+        #[command(flatten)]
+        remote: Remote,
     },
     /// Schedule a replay of a tenant.
     Replay {
@@ -101,6 +109,9 @@ pub enum Command {
         /// Config file (TOML).
         #[arg(long, short, env = "VOUCHER_CDC_CONFIG")]
         config: Option<PathBuf>,
+        /// Ask the daemon at this admin API URL (e.g. through `kubectl port-forward`).
+        #[command(flatten)]
+        remote: Remote,
     },
     /// Validate and print the effective config, secrets redacted.
     CheckConfig {
@@ -108,6 +119,17 @@ pub enum Command {
         #[arg(long, short, env = "VOUCHER_CDC_CONFIG")]
         config: Option<PathBuf>,
     },
+}
+
+/// `--admin-url` / `--admin-token` of `status` and `replay`.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct Remote {
+    /// Admin API of a running daemon, e.g. `http://127.0.0.1:9464` (skips the local store).
+    #[arg(long, value_name = "URL")]
+    pub admin_url: Option<String>,
+    /// Bearer token of that admin API (default: `admin.token` of the config).
+    #[arg(long, env = "VOUCHER_CDC_ADMIN__TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
 }
 
 /// A command's failure: its exit code and the lines to print.
@@ -161,13 +183,27 @@ pub async fn run(cli: Cli) -> u8 {
                 .await
                 .map_err(|e| Failure::runtime(format!("{e:#}")))
         }
-        Command::Status { config, json } => status(config.as_deref(), json).await,
+        Command::Status {
+            config,
+            json,
+            remote,
+        } => status(config.as_deref(), json, &remote).await,
         Command::Replay {
             tenant,
             resource,
             since,
             config,
-        } => replay(config.as_deref(), tenant, resource, since.as_deref()).await,
+            remote,
+        } => {
+            replay(
+                config.as_deref(),
+                tenant,
+                resource,
+                since.as_deref(),
+                &remote,
+            )
+            .await
+        }
     };
     match result {
         Ok(()) => EXIT_OK,
@@ -181,10 +217,32 @@ pub async fn run(cli: Cli) -> u8 {
 }
 
 fn load_config(path: Option<&Path>) -> Result<Config, Failure> {
-    config::load(path).map_err(|e| Failure {
-        code: EXIT_USAGE,
-        lines: e.problems,
+    config::load(path).map_err(|e| {
+        let mut lines = e.problems;
+        if path.is_none() {
+            lines.insert(0, NO_CONFIG.to_string());
+        }
+        Failure {
+            code: EXIT_USAGE,
+            lines,
+        }
     })
+}
+
+/// The hint when no config file was named and the environment alone is not a config.
+const NO_CONFIG: &str = "no config file given: pass --config FILE or set VOUCHER_CDC_CONFIG=FILE";
+
+/// Like [`load_config`], for commands that only read a config: without a file,
+/// one line saying how to name it instead of every missing key.
+fn load_config_for_reading(path: Option<&Path>) -> Result<Config, Failure> {
+    match path {
+        Some(path) => load_config(Some(path)),
+        None => config::load(None).map_err(|_| {
+            Failure::usage(format!(
+                "{NO_CONFIG} (or --admin-url URL to ask a running daemon)"
+            ))
+        }),
+    }
 }
 
 fn check_config(path: Option<&Path>) -> Result<(), Failure> {
@@ -273,7 +331,7 @@ impl OnceProgress {
     }
 
     fn update(&self, key: StreamKey, records: u64, pages: u64) {
-        let text = format!("{pages} pages, {records} records");
+        let text = format!("{}, {}", plural(pages, "page"), plural(records, "record"));
         if let Some(bar) = self.bars.get(&key) {
             bar.set_message(text);
             return;
@@ -294,12 +352,18 @@ impl OnceProgress {
         for (key, outcome) in outcomes {
             let text = match outcome {
                 StepOutcome::Swept(r) => format!(
-                    "done: {} sweep, {} pages, {} records, {} events",
+                    "done: {} sweep, {}, {}, {}",
                     r.kind,
-                    r.pages,
-                    r.records_seen,
-                    r.events()
+                    plural(r.pages, "page"),
+                    plural(r.records_seen, "record"),
+                    plural(r.events(), "event")
                 ),
+                StepOutcome::Parked(reason) => {
+                    errors.push(format!(
+                        "stream {key} parked: {reason} (run --once does not recheck it; fix the access and run again, a daemon rechecks every poll.park_recheck_interval)"
+                    ));
+                    format!("parked: {reason}")
+                }
                 other => {
                     let error = other.error().unwrap_or_default();
                     errors.push(format!("stream {key}: {error}"));
@@ -321,23 +385,85 @@ impl OnceProgress {
 /// How `status` and `replay` reach the state.
 enum Access {
     /// The store, opened directly (no daemon holds it).
-    Store(SledStore),
-    /// No store exists yet: nothing was ever synced.
-    Missing,
-    /// A daemon holds the store: its admin API.
+    Store(SledStore, PathBuf),
+    /// A daemon's admin API (it holds the store, or `--admin-url` named it).
     Admin(AdminClient),
 }
 
-/// Opens the store directly, or finds the daemon that holds it.
-fn access(cfg: &Config, create: bool) -> Result<Access, Failure> {
-    if !create && !cfg.state.path.exists() {
-        return Ok(Access::Missing);
+impl Access {
+    /// One line naming what was read: the store path, or the daemon that answered.
+    fn describe(&self) -> String {
+        match self {
+            Access::Store(_, path) => format!(
+                "read from: state store {} (no daemon holds it)",
+                path.display()
+            ),
+            Access::Admin(client) => match &client.state_path {
+                Some(path) => format!(
+                    "read from: daemon at {} (it holds the state store {})",
+                    client.base,
+                    path.display()
+                ),
+                None => format!("read from: daemon at {}", client.base),
+            },
+        }
     }
-    match SledStore::open(&cfg.state.path) {
-        Ok(store) => Ok(Access::Store(store)),
-        Err(StateError::Locked { .. }) => Ok(Access::Admin(AdminClient::new(cfg)?)),
-        Err(e) => Err(Failure::runtime(e.to_string())),
+}
+
+/// `path` made absolute against the current directory, for messages.
+fn absolute(path: &Path) -> PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
+}
+
+/// Finds the state: `--admin-url` when given; else the store at `state.path`,
+/// or the daemon holding it; without a store, a daemon answering at
+/// `admin.listen`; else one line saying neither was found.
+async fn access(cfg: Option<&Config>, remote: &Remote) -> Result<Access, Failure> {
+    let token = remote
+        .admin_token
+        .clone()
+        .map(Secret::new)
+        .or_else(|| cfg.and_then(|c| c.admin.token.clone()));
+    if let Some(url) = &remote.admin_url {
+        return Ok(Access::Admin(AdminClient::new(url, token, None)?));
     }
+    let Some(cfg) = cfg else {
+        return Err(Failure::usage(format!(
+            "{NO_CONFIG} (or --admin-url URL to ask a running daemon)"
+        )));
+    };
+    let path = absolute(&cfg.state.path);
+    if path.exists() {
+        return match SledStore::open(&path) {
+            Ok(store) => Ok(Access::Store(store, path)),
+            Err(StateError::Locked { .. }) => Ok(Access::Admin(AdminClient::new(
+                &listen_url(cfg)?,
+                token,
+                Some(path),
+            )?)),
+            Err(e) => Err(Failure::runtime(e.to_string())),
+        };
+    }
+    let url = listen_url(cfg)?;
+    let client = AdminClient::new(&url, token, None)?;
+    if client.answers().await {
+        return Ok(Access::Admin(client));
+    }
+    Err(Failure::runtime(format!(
+        "no state store at {} and no daemon answered at {url}: run where the daemon keeps its state (a relative state.path is read from the current directory) or pass --admin-url",
+        path.display()
+    )))
+}
+
+/// `http://ADDR` of the configured `admin.listen`, reachable from this machine.
+fn listen_url(cfg: &Config) -> Result<String, Failure> {
+    let listen: std::net::SocketAddr = cfg.admin.listen.parse().map_err(|_| {
+        Failure::usage(format!(
+            "admin.listen: `{}` is not an address like 127.0.0.1:9464",
+            cfg.admin.listen
+        ))
+    })?;
+    Ok(format!("http://{}", admin::connect_address(listen)))
 }
 
 /// A client of a running daemon's admin API.
@@ -345,27 +471,39 @@ struct AdminClient {
     base: String,
     token: Option<Secret>,
     http: reqwest::Client,
-    state_path: PathBuf,
+    /// The local store the daemon holds, when that is how it was found.
+    state_path: Option<PathBuf>,
 }
 
 impl AdminClient {
-    fn new(cfg: &Config) -> Result<Self, Failure> {
-        let listen: std::net::SocketAddr = cfg.admin.listen.parse().map_err(|_| {
-            Failure::usage(format!(
-                "admin.listen: `{}` is not an address like 127.0.0.1:9464",
-                cfg.admin.listen
-            ))
-        })?;
+    fn new(url: &str, token: Option<Secret>, state_path: Option<PathBuf>) -> Result<Self, Failure> {
+        let parsed = url::Url::parse(url)
+            .ok()
+            .filter(|u| u.scheme() == "http" || u.scheme() == "https");
+        if parsed.is_none() {
+            return Err(Failure::usage(format!(
+                "--admin-url: `{url}` is not a URL like http://127.0.0.1:9464"
+            )));
+        }
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(3))
             .build()
             .map_err(|e| Failure::runtime(format!("cannot build the http client: {e}")))?;
         Ok(Self {
-            base: format!("http://{}", admin::connect_address(listen)),
-            token: cfg.admin.token.clone(),
+            base: url.trim_end_matches('/').to_string(),
+            token,
             http,
-            state_path: cfg.state.path.clone(),
+            state_path,
         })
+    }
+
+    /// True when something answers `/healthz` like a daemon.
+    async fn answers(&self) -> bool {
+        let request = self
+            .http
+            .get(format!("{}/healthz", self.base))
+            .timeout(PROBE_TIMEOUT);
+        matches!(request.send().await, Ok(r) if r.status().is_success())
     }
 
     fn request(&self, builder: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
@@ -388,11 +526,14 @@ impl AdminClient {
             } else {
                 e.without_url().to_string()
             };
-            Failure::runtime(format!(
-                "state store {} is held by a running daemon, but its admin api at {} failed for {what}: {reason} (check admin.listen)",
-                self.state_path.display(),
-                self.base
-            ))
+            Failure::runtime(match &self.state_path {
+                Some(path) => format!(
+                    "state store {} is held by a running daemon, but its admin api at {} failed for {what}: {reason} (check admin.listen)",
+                    path.display(),
+                    self.base
+                ),
+                None => format!("admin api at {} failed for {what}: {reason}", self.base),
+            })
         })?;
         let status = response.status();
         let body = response.bytes().await.map_err(|e| {
@@ -453,34 +594,66 @@ fn owned_streams(cfg: &Config) -> Result<Vec<StreamKey>, Failure> {
     daemon::owned_streams(cfg).map_err(daemon_failure)
 }
 
-async fn status(path: Option<&Path>, json: bool) -> Result<(), Failure> {
-    let cfg = load_config(path)?;
+/// The config `status` / `replay` use: required unless `--admin-url` is given.
+fn reading_config(path: Option<&Path>, remote: &Remote) -> Result<Option<Config>, Failure> {
+    if remote.admin_url.is_some() && path.is_none() {
+        return Ok(None);
+    }
+    let cfg = load_config_for_reading(path)?;
     telemetry::init_logging(cfg.log.format, "warn");
-    let streams = owned_streams(&cfg)?;
+    Ok(Some(cfg))
+}
+
+async fn status(path: Option<&Path>, json: bool, remote: &Remote) -> Result<(), Failure> {
+    let cfg = reading_config(path, remote)?;
     let now = Utc::now();
-    let report = match access(&cfg, false)? {
-        Access::Store(store) => StatusReport {
-            streams: admin::status_from_store(&store, &streams, now)
-                .map_err(|e| Failure::runtime(e.to_string()))?,
-            sink: None,
-        },
-        Access::Missing => StatusReport {
-            streams: streams
-                .iter()
-                .map(|k| StreamStatus::from_state(*k, &Default::default(), now))
-                .collect(),
-            sink: None,
-        },
+    let access = access(cfg.as_ref(), remote).await?;
+    let report = match &access {
+        Access::Store(store, _) => {
+            let streams = match &cfg {
+                Some(cfg) => owned_streams(cfg)?,
+                None => Vec::new(),
+            };
+            let mut streams = admin::status_from_store(store, &streams, now)
+                .map_err(|e| Failure::runtime(e.to_string()))?;
+            // Nobody holds the store: no sweep can be running now.
+            for s in &mut streams {
+                s.sweep_in_progress_since = None;
+            }
+            StatusReport {
+                streams,
+                sink: None,
+            }
+        }
         Access::Admin(client) => client.status().await?,
     };
     if json {
         let text = serde_json::to_string_pretty(&report)
             .map_err(|e| Failure::runtime(format!("cannot render the status: {e}")))?;
         println!("{text}");
+        eprintln!("{}", access.describe());
     } else {
         print!("{}", format_status(&report, now));
+        println!("{}", access.describe());
     }
-    Ok(())
+    let attention: Vec<String> = report
+        .streams
+        .iter()
+        .filter(|s| s.needs_attention())
+        .map(|s| s.key().to_string())
+        .collect();
+    if attention.is_empty() {
+        Ok(())
+    } else {
+        Err(Failure {
+            code: EXIT_UNHEALTHY,
+            lines: vec![format!(
+                "{} need attention (parked or last sweep failed): {}",
+                plural(attention.len() as u64, "stream"),
+                attention.join(", ")
+            )],
+        })
+    }
 }
 
 async fn replay(
@@ -488,10 +661,52 @@ async fn replay(
     tenant: TenantId,
     resource: Option<Resource>,
     since: Option<&str>,
+    remote: &Remote,
 ) -> Result<(), Failure> {
-    let cfg = load_config(path)?;
-    telemetry::init_logging(cfg.log.format, "warn");
-    let streams = owned_streams(&cfg)?;
+    let cfg = reading_config(path, remote)?;
+    let targets = match &cfg {
+        Some(cfg) => replay_targets(&owned_streams(cfg)?, tenant, resource)?,
+        None => Vec::new(),
+    };
+    let since = since
+        .map(|text| admin::parse_since(text, Utc::now()))
+        .transpose()
+        .map_err(|e| Failure::usage(format!("--since: {e}")))?;
+    let response = match access(cfg.as_ref(), remote).await? {
+        Access::Admin(client) => client.replay(tenant, resource, since).await?,
+        Access::Store(store, _) => {
+            let mut replays = Vec::new();
+            for key in targets {
+                let replay_id = sweep::schedule_replay(&store as &dyn StateStore, key, since)
+                    .map_err(|e| Failure::runtime(e.to_string()))?;
+                replays.push(ScheduledReplay {
+                    resource: key.resource,
+                    replay_id,
+                    since,
+                });
+            }
+            ReplayResponse { tenant, replays }
+        }
+    };
+    for r in &response.replays {
+        let from = r
+            .since
+            .map(|s| format!("records updated since {}", crate::event::format_time(s)))
+            .unwrap_or_else(|| "every record".to_string());
+        println!(
+            "replay {} scheduled for tenant {} {}: {from}",
+            r.replay_id, response.tenant, r.resource
+        );
+    }
+    Ok(())
+}
+
+/// The configured streams a replay of `tenant` (and `resource`) targets.
+fn replay_targets(
+    streams: &[StreamKey],
+    tenant: TenantId,
+    resource: Option<Resource>,
+) -> Result<Vec<StreamKey>, Failure> {
     let tenant_streams: Vec<StreamKey> = streams
         .iter()
         .copied()
@@ -509,57 +724,31 @@ async fn replay(
             }
         )));
     }
-    let targets: Vec<StreamKey> = match resource {
-        None => tenant_streams.clone(),
+    match resource {
+        None => Ok(tenant_streams),
         Some(r) if tenant_streams.contains(&StreamKey::new(tenant, r)) => {
-            vec![StreamKey::new(tenant, r)]
+            Ok(vec![StreamKey::new(tenant, r)])
         }
         Some(r) => {
             let configured: Vec<&str> =
                 tenant_streams.iter().map(|k| k.resource.as_str()).collect();
-            return Err(Failure::usage(format!(
+            Err(Failure::usage(format!(
                 "--resource {r}: tenant {tenant} does not stream it: configured resources are {}",
                 configured.join(", ")
-            )));
-        }
-    };
-    let since = since
-        .map(|text| admin::parse_since(text, Utc::now()))
-        .transpose()
-        .map_err(|e| Failure::usage(format!("--since: {e}")))?;
-    let response = match access(&cfg, true)? {
-        Access::Admin(client) => client.replay(tenant, resource, since).await?,
-        Access::Store(store) => {
-            let mut replays = Vec::new();
-            for key in targets {
-                let replay_id = sweep::schedule_replay(&store as &dyn StateStore, key, since)
-                    .map_err(|e| Failure::runtime(e.to_string()))?;
-                replays.push(ScheduledReplay {
-                    resource: key.resource,
-                    replay_id,
-                    since,
-                });
-            }
-            ReplayResponse { tenant, replays }
-        }
-        Access::Missing => {
-            return Err(Failure::runtime(format!(
-                "state store {} cannot be created",
-                cfg.state.path.display()
             )))
         }
-    };
-    for r in &response.replays {
-        let from = r
-            .since
-            .map(|s| format!("records updated since {}", crate::event::format_time(s)))
-            .unwrap_or_else(|| "every record".to_string());
-        println!(
-            "replay {} scheduled for tenant {} {}: {from}",
-            r.replay_id, response.tenant, r.resource
-        );
     }
-    Ok(())
+}
+
+/// `1 page`, `2 pages`, `3 categories`: a count with its noun.
+pub fn plural(count: u64, noun: &str) -> String {
+    if count == 1 {
+        return format!("1 {noun}");
+    }
+    match noun.strip_suffix('y') {
+        Some(stem) if !stem.ends_with(['a', 'e', 'o', 'u']) => format!("{count} {stem}ies"),
+        _ => format!("{count} {noun}s"),
+    }
 }
 
 /// A short age: `42s`, `3m 5s`, `2h 10m`, `3d 4h`.
@@ -593,6 +782,8 @@ pub fn format_status(report: &StatusReport, now: DateTime<Utc>) -> String {
         let key = s.key();
         let state = if s.parked.is_some() {
             "parked"
+        } else if s.sweep_in_progress_since.is_some() && s.watermark.is_none() {
+            "syncing"
         } else if s.replay.as_ref().is_some_and(|r| r.pending) {
             "replaying"
         } else if s.last_error.is_some() {
@@ -608,7 +799,7 @@ pub fn format_status(report: &StatusReport, now: DateTime<Utc>) -> String {
                 .map(crate::event::format_time)
                 .unwrap_or_else(|| "-".to_string()),
             s.lag_seconds.map(format_age).unwrap_or_else(|| "-".into()),
-            s.records_known.to_string(),
+            s.records_known.max(s.records_committed).to_string(),
             ago(s.last_sweep_finished),
             ago(s.last_full_sweep_finished),
             state.to_string(),
@@ -619,6 +810,14 @@ pub fn format_status(report: &StatusReport, now: DateTime<Utc>) -> String {
             details.push(format!(
                 "{key} last error ({}): {error}",
                 ago(s.last_error_at)
+            ));
+        }
+        if let Some(since) = s.sweep_in_progress_since {
+            details.push(format!(
+                "{key} sweep in progress since {} ({}), {} committed so far",
+                crate::event::format_time(since),
+                ago(Some(since)),
+                plural(s.records_committed, "record")
             ));
         }
         if let Some(r) = s.replay.as_ref().filter(|r| r.pending) {
@@ -680,6 +879,46 @@ pub async fn shutdown_signal() {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::admin::StreamStatus;
+
+    #[test]
+    fn counts_agree_with_their_noun() {
+        assert_eq!(plural(1, "tenant"), "1 tenant");
+        assert_eq!(plural(2, "page"), "2 pages");
+        assert_eq!(plural(0, "record"), "0 records");
+        assert_eq!(plural(3, "category"), "3 categories");
+        assert_eq!(plural(1, "category"), "1 category");
+    }
+
+    #[test]
+    fn the_status_table_shows_a_first_sync_in_progress_with_its_records_so_far() {
+        let now = Utc::now();
+        let started = now - chrono::Duration::seconds(95);
+        let state = crate::state::StreamState {
+            last_sweep_started: Some(started),
+            ..Default::default()
+        };
+        let mut syncing =
+            StreamStatus::from_state(StreamKey::new(1, Resource::Vouchers), &state, now);
+        syncing.records_committed = 340;
+        let report = StatusReport {
+            streams: vec![syncing],
+            sink: None,
+        };
+        let text = format_status(&report, now);
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(
+            lines[1].contains(" 340 ") && lines[1].ends_with("syncing"),
+            "{text}"
+        );
+        assert_eq!(
+            lines[2],
+            format!(
+                "1/vouchers sweep in progress since {} (1m 35s ago), 340 records committed so far",
+                crate::event::format_time(started)
+            )
+        );
+    }
 
     #[test]
     fn ages_are_short_and_readable() {

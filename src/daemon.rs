@@ -137,6 +137,17 @@ pub async fn build_sink(
     config: &Config,
     streams: &[StreamKey],
 ) -> Result<Arc<dyn Sink>, DaemonError> {
+    build_sink_with_end(config, streams)
+        .await
+        .map(|(sink, _)| sink)
+}
+
+/// Like [`build_sink`], plus a token the sink cancels when it can never
+/// deliver again (stdout closed by its reader): the daemon then stops.
+async fn build_sink_with_end(
+    config: &Config,
+    streams: &[StreamKey],
+) -> Result<(Arc<dyn Sink>, Option<CancellationToken>), DaemonError> {
     let kind = config.sink.kind;
     let fail = |message: String| DaemonError::Sink {
         kind: kind.as_str(),
@@ -167,9 +178,13 @@ pub async fn build_sink(
             let cfg = config.sink.file.clone().unwrap_or_default();
             Arc::new(crate::sinks::file::FileSink::open(&cfg).map_err(|e| fail(e.to_string()))?)
         }
-        SinkKind::Stdout => Arc::new(crate::sinks::stdout::StdoutSink::new()),
+        SinkKind::Stdout => {
+            let sink = crate::sinks::stdout::StdoutSink::new();
+            let closed = sink.closed();
+            return Ok((Arc::new(sink), Some(closed)));
+        }
     };
-    Ok(sink)
+    Ok((sink, None))
 }
 
 /// The streams this process owns (its shard's tenants), in key order.
@@ -193,6 +208,8 @@ pub struct Components {
     pub sink: Arc<dyn Sink>,
     /// One runner per stream, in key order.
     pub runners: Vec<StreamRunner>,
+    /// Cancelled when the sink can never deliver again (stdout closed): stop.
+    pub sink_ended: CancellationToken,
 }
 
 impl Components {
@@ -209,10 +226,11 @@ impl Components {
         }
         let clients = clients_for(config, &streams)?;
         let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&config.state.path)?);
-        let sink = match sink {
-            Some(sink) => sink,
-            None => build_sink(config, &streams).await?,
+        let (sink, sink_ended) = match sink {
+            Some(sink) => (sink, None),
+            None => build_sink_with_end(config, &streams).await?,
         };
+        let sink_ended = sink_ended.unwrap_or_default();
         let settings = Arc::new(sweep_settings(config));
         let timing = Timing::from_poll(&config.poll);
         let runners = streams
@@ -238,6 +256,7 @@ impl Components {
             store,
             sink,
             runners,
+            sink_ended,
         })
     }
 
@@ -346,6 +365,7 @@ impl Daemon {
             store,
             sink,
             runners,
+            sink_ended,
         } = components;
         let scheduler = Scheduler::start(runners, streams_token.clone());
         let admin_state = Arc::new(AdminState {
@@ -379,6 +399,8 @@ impl Daemon {
             tokio::select! {
                 _ = shutdown => info!("shutdown requested"),
                 _ = stop_signal.cancelled() => info!("shutdown requested"),
+                _ = sink_ended.cancelled() => info!(sink = sink.name(),
+                    "the sink's reader went away (standard output closed); stopping"),
                 served = &mut admin_task => {
                     let message = match served {
                         Ok(Ok(())) => "stopped unexpectedly".to_string(),
@@ -389,7 +411,7 @@ impl Daemon {
                     result = Err(DaemonError::Admin { listen: listen_text, message });
                 }
             }
-            info!(grace = %humantime::format_duration(grace),
+            info!(grace = %crate::telemetry::human_duration(grace),
                 "stopping streams: pages in flight finish, nothing new is requested");
             let report = scheduler.stop(grace).await;
             gauges.abort();
@@ -467,10 +489,16 @@ pub async fn run_once(
     let mut outcomes = Vec::with_capacity(components.runners.len());
     tokio::pin!(shutdown);
     let mut interrupted = false;
+    let sink_ended = components.sink_ended.clone();
     loop {
         tokio::select! {
             _ = &mut shutdown, if !interrupted => {
                 info!("shutdown requested: sweeps stop after their pages in flight");
+                interrupted = true;
+                cancel.cancel();
+            }
+            _ = sink_ended.cancelled(), if !interrupted => {
+                info!("the sink's reader went away (standard output closed); stopping");
                 interrupted = true;
                 cancel.cancel();
             }

@@ -83,12 +83,15 @@ pub fn banner(options: &DemoOptions, simulator_url: &str, daemon: &DaemonHandle)
     format!(
         "voucher-cdc demo\n\
          \x20 simulator  {simulator_url}\n\
-         \x20            {} tenants, {} vouchers and {} categories each, ~{} changes/min\n\
+         \x20            {}, {} and {} each, ~{} changes/min\n\
          \x20 bridge     polls every 2s, full resync every 30s, state in a temporary directory\n\
          \x20 events     stdout, one CloudEvent JSON per line (logs and this banner go to stderr)\n\
          \x20 admin      {admin}/metrics  {admin}/v1/status  {admin}/readyz\n\
          \x20 Ctrl-C stops.\n",
-        options.tenants, options.vouchers, options.categories, options.changes_per_minute,
+        crate::cli::plural(options.tenants, "tenant"),
+        crate::cli::plural(options.vouchers as u64, "voucher"),
+        crate::cli::plural(options.categories as u64, "category"),
+        options.changes_per_minute,
     )
 }
 

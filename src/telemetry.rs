@@ -33,6 +33,8 @@ pub mod metric {
     pub const RECORDS_KNOWN: &str = "voucher_cdc_records_known";
     /// 1 when the stream is parked after 401/403/404, by `tenant`, `resource`.
     pub const STREAM_PARKED: &str = "voucher_cdc_stream_parked";
+    /// 1 while the stream's last sweep failed (until one succeeds), by `tenant`, `resource`.
+    pub const STREAM_FAILING: &str = "voucher_cdc_stream_failing";
     /// Sweeps by `tenant`, `resource`, `kind` (`incremental`, `full`, `replay`), `outcome` (`ok`, `error`).
     pub const SWEEPS: &str = "voucher_cdc_sweeps_total";
     /// Full sweeps that refused to delete more than `max_delete_fraction`, by `tenant`, `resource`.
@@ -237,6 +239,30 @@ pub fn record_stream_gauges(
     } else {
         0.0
     });
+    metrics::gauge!(metric::STREAM_FAILING, &labels).set(if state.last_error.is_some() {
+        1.0
+    } else {
+        0.0
+    });
+}
+
+/// A duration as people write it, rounded to what matters: `346ms`, `2.5s`,
+/// `5m`, `1h 30m` (not `346ms 754us 417ns`).
+pub fn human_duration(d: std::time::Duration) -> String {
+    let ms = d.as_millis();
+    if ms < 1_000 {
+        return format!("{ms}ms");
+    }
+    if ms < 10_000 {
+        let tenths = (ms + 50) / 100;
+        return if tenths % 10 == 0 {
+            format!("{}s", tenths / 10)
+        } else {
+            format!("{}.{}s", tenths / 10, tenths % 10)
+        };
+    }
+    let secs = std::time::Duration::from_secs(d.as_secs() + u64::from(d.subsec_millis() >= 500));
+    humantime::format_duration(secs).to_string()
 }
 
 /// Seconds from `earlier` to `later`, never negative (clocks may disagree).
@@ -245,4 +271,19 @@ pub fn seconds_between(
     later: chrono::DateTime<chrono::Utc>,
 ) -> f64 {
     ((later - earlier).num_milliseconds() as f64 / 1000.0).max(0.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn durations_are_logged_the_way_people_write_them() {
+        assert_eq!(human_duration(Duration::from_nanos(346_754_417)), "346ms");
+        assert_eq!(human_duration(Duration::from_millis(2_540)), "2.5s");
+        assert_eq!(human_duration(Duration::from_millis(3_000)), "3s");
+        assert_eq!(human_duration(Duration::from_millis(300_400)), "5m");
+        assert_eq!(human_duration(Duration::from_secs(5_400)), "1h 30m");
+    }
 }

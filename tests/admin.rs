@@ -39,7 +39,10 @@ async fn v1_endpoints_require_the_admin_token_while_probes_and_metrics_stay_open
     let (code, body) = send(http.get(format!("{admin}/readyz"))).await;
     assert_eq!(
         (code, body),
-        (StatusCode::OK, json!({"ready": true, "reasons": []}))
+        (
+            StatusCode::OK,
+            json!({"ready": true, "reasons": [], "streams": []})
+        )
     );
     let (code, _) = send(http.get(format!("{admin}/metrics"))).await;
     assert_eq!(code, StatusCode::OK);
@@ -141,8 +144,18 @@ async fn replay_requests_are_validated_with_json_errors_naming_the_field() {
     assert_eq!(replays[0]["replay_id"].as_str().unwrap().len(), 32);
     assert!(replays[0]["since"].is_string());
 
-    let (code, _) = send(http.get(format!("{admin}/v1/tenants/1/replay"))).await;
+    let (code, body) = send(http.get(format!("{admin}/v1/tenants/1/replay"))).await;
     assert_eq!(code, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(
+        body,
+        json!({"message": "GET is not allowed on /v1/tenants/1/replay: use POST"})
+    );
+    let (code, body) = send(http.delete(format!("{admin}/v1/status"))).await;
+    assert_eq!(code, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(
+        body,
+        json!({"message": "DELETE is not allowed on /v1/status: use GET"})
+    );
     let (code, body) = send(http.get(format!("{admin}/v2/everything"))).await;
     assert_eq!(code, StatusCode::NOT_FOUND);
     assert!(body["message"]

@@ -252,6 +252,13 @@ async fn status_and_replay_go_through_the_admin_api_while_a_daemon_runs_and_to_t
     assert_eq!(code, 0, "{stderr}");
     assert!(table.starts_with("STREAM"), "{table}");
     assert!(table.contains("sink file: healthy"), "{table}");
+    assert!(
+        table.trim_end().ends_with(&format!(
+            "read from: daemon at http://127.0.0.1:{port} (it holds the state store {})",
+            dir.path().join("state").display()
+        )),
+        "{table}"
+    );
     for stream in ["1/vouchers", "1/categories", "2/vouchers", "2/categories"] {
         assert!(
             table
@@ -304,6 +311,13 @@ async fn status_and_replay_go_through_the_admin_api_while_a_daemon_runs_and_to_t
     // Directly on the store.
     let (code, stdout, stderr) = run_cli(&["status", "--config", &config, "--json"]);
     assert_eq!(code, 0, "{stderr}");
+    assert_eq!(
+        stderr.trim(),
+        format!(
+            "read from: state store {} (no daemon holds it)",
+            dir.path().join("state").display()
+        )
+    );
     let direct: StatusReport = serde_json::from_str(&stdout).unwrap();
     assert!(direct.sink.is_none());
     assert_eq!(direct.streams.len(), 4);
@@ -374,11 +388,12 @@ async fn run_once_sweeps_every_stream_once_and_exits_1_naming_each_failed_stream
         .collect();
     assert_eq!(errors.len(), 2, "{stderr}");
     assert!(
-        errors[0].starts_with("error: stream 3/vouchers: parked: upstream returned 40"),
+        errors[0].starts_with("error: stream 3/vouchers parked: upstream returned 40")
+            && errors[0].contains("run --once does not recheck it"),
         "{stderr}"
     );
     assert!(
-        errors[1].starts_with("error: stream 3/categories: parked: upstream returned 40"),
+        errors[1].starts_with("error: stream 3/categories parked: upstream returned 40"),
         "{stderr}"
     );
     assert_eq!(read_events(&events).len(), 2 * (20 + 5));
@@ -386,7 +401,7 @@ async fn run_once_sweeps_every_stream_once_and_exits_1_naming_each_failed_stream
     assert!(
         stderr
             .lines()
-            .any(|l| l == "1/vouchers: done: full sweep, 1 pages, 20 records, 20 events"),
+            .any(|l| l == "1/vouchers: done: full sweep, 1 page, 20 records, 20 events"),
         "{stderr}"
     );
 
@@ -451,4 +466,143 @@ async fn demo_shows_events_on_stdout_within_seconds_and_stops_with_exit_0_on_ctr
         demo.stderr()
     );
     assert!(demo.stderr().ends_with("voucher-cdc demo stopped\n"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_exits_3_for_a_parked_stream_and_reaches_a_daemon_by_admin_url_alone() {
+    let sim = spawn_small_simulator(2).await;
+    sim.add_token(
+        "not-tenant-2",
+        Some(vec![1]),
+        &voucher_cdc::simulator::Permission::ALL,
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let toml = set_key(
+        &daemon_toml(&sim.base_url(), "not-tenant-2", dir.path(), &[1, 2]),
+        "admin.listen",
+        format!("127.0.0.1:{port}"),
+    );
+    let toml = set_key(&toml, "admin.token", "cli-admin-token");
+    let mut daemon = spawn_daemon(&toml).await;
+    wait_until("tenant 1 synced and tenant 2 parked", WAIT, || {
+        daemon.events().len() == 20 + 5
+            && run_cli(&[
+                "status",
+                "--admin-url",
+                &format!("http://127.0.0.1:{port}"),
+                "--admin-token",
+                "cli-admin-token",
+            ])
+            .1
+            .matches("parked")
+            .count()
+                >= 4
+    })
+    .await;
+
+    // No --config: the admin API alone answers, through a port-forward say.
+    let (code, table, stderr) = run_cli(&[
+        "status",
+        "--admin-url",
+        &format!("http://127.0.0.1:{port}/"),
+        "--admin-token",
+        "cli-admin-token",
+    ]);
+    assert_eq!(code, 3, "{table}\n{stderr}");
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("2/vouchers") && l.ends_with("parked")),
+        "{table}"
+    );
+    assert!(
+        table
+            .trim_end()
+            .ends_with(&format!("read from: daemon at http://127.0.0.1:{port}")),
+        "{table}"
+    );
+    assert_eq!(
+        stderr.trim(),
+        "error: 2 streams need attention (parked or last sweep failed): 2/vouchers, 2/categories"
+    );
+    let (code, stdout, _) = run_cli(&[
+        "replay",
+        "--tenant",
+        "1",
+        "--admin-url",
+        &format!("http://127.0.0.1:{port}"),
+        "--admin-token",
+        "cli-admin-token",
+    ]);
+    assert_eq!(code, 0);
+    assert_eq!(stdout.lines().count(), 2, "{stdout}");
+    daemon.stop().await;
+}
+
+#[test]
+fn status_and_replay_without_a_store_or_a_daemon_say_so_instead_of_showing_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let toml = set_key(
+        &offline_toml(dir.path()),
+        "admin.listen",
+        format!("127.0.0.1:{}", free_port()),
+    );
+    let config = write_config(dir.path(), &toml);
+    let state = dir.path().join("state");
+    for args in [
+        vec!["status", "--config", &config],
+        vec!["replay", "--tenant", "1", "--config", &config],
+    ] {
+        let (code, stdout, stderr) = run_cli(&args);
+        assert_eq!(code, 1, "{args:?}: {stdout}{stderr}");
+        assert_eq!(stdout, "", "{args:?}");
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert!(
+            stderr.starts_with(&format!(
+                "error: no state store at {} and no daemon answered at http://127.0.0.1:",
+                state.display()
+            )),
+            "{stderr}"
+        );
+        assert!(!state.exists(), "{args:?} created the store");
+    }
+
+    // Without --config: one line saying how to name it.
+    let (code, _, stderr) = run_cli(&["status"]);
+    assert_eq!(code, 2);
+    assert_eq!(
+        stderr.trim(),
+        "error: no config file given: pass --config FILE or set VOUCHER_CDC_CONFIG=FILE (or --admin-url URL to ask a running daemon)"
+    );
+}
+
+#[test]
+fn demo_piped_into_head_exits_once_head_has_its_lines() {
+    let mut shell = std::process::Command::new("bash")
+        .args([
+            "-c",
+            &format!(
+                "set -o pipefail; '{}' demo --vouchers 20 | head -n 3; echo \"demo exit ${{PIPESTATUS[0]}}\" >&2",
+                env!("CARGO_BIN_EXE_voucher-cdc")
+            ),
+        ])
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while shell.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = shell.kill();
+            panic!("`voucher-cdc demo | head -n 3` did not exit within 30s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = shell.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(stdout.lines().count(), 3, "{stdout}");
+    assert!(stderr.contains("demo exit 0"), "{stderr}");
 }

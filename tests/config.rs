@@ -15,6 +15,26 @@ token = "s3cret-token"
 id = 42
 "#;
 
+/// Writes `toml` to a temp file and runs `check-config --config` on it with
+/// `env` added: (exit code, stdout, stderr, the file's path).
+fn check_config(toml: &str, env: &[(&str, &str)]) -> (Option<i32>, String, String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.toml");
+    std::fs::write(&path, toml).unwrap();
+    let out = common::cli()
+        .args(["check-config", "--config"])
+        .arg(&path)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+        path.display().to_string(),
+    )
+}
+
 #[test]
 fn a_minimal_config_gets_every_documented_default() {
     let cfg = from_toml_str(MINIMAL).unwrap();
@@ -85,7 +105,7 @@ fn broken_configs() -> Vec<(&'static str, String, &'static str)> {
         (
             "unknown resource",
             "[upstream]\nbase_url = \"http://x/api/external/v1\"\ntoken = \"t\"\n[[tenants]]\nid = 1\nresources = [\"products\"]\n".to_string(),
-            "tenants.0.resources.0: unknown value `products`: valid options are vouchers, categories",
+            "tenants[0].resources[0]: unknown value `products`: valid options are vouchers, categories",
         ),
         (
             "no tenants",
@@ -123,6 +143,31 @@ fn broken_configs() -> Vec<(&'static str, String, &'static str)> {
             "log.level: `loud=[` is not a valid filter",
         ),
         (
+            "empty token",
+            MINIMAL.replace("s3cret-token", ""),
+            "upstream.token: is empty",
+        ),
+        (
+            "base url without the api path",
+            MINIMAL.replace("/api/external/v1", ""),
+            "upstream.base_url: `http://127.0.0.1:8080` does not end in /api/external/v1",
+        ),
+        (
+            "a duration without its unit",
+            base("[poll]\ninterval = \"30\"\n"),
+            "poll.interval: expected a duration, found string \"30\": add a unit, e.g. \"30s\"",
+        ),
+        (
+            "a lookback that would overflow the watermark arithmetic",
+            base("[poll]\nlookback = \"200000years\"\n"),
+            "poll.lookback: ",
+        ),
+        (
+            "a huge retry_after_max",
+            MINIMAL.replace("[upstream]\n", "[upstream]\nretry_after_max = \"100years\"\n"),
+            "upstream.retry_after_max: 100years is too long: at most 1day",
+        ),
+        (
             "zero rate",
             "[upstream]\nbase_url = \"http://x/api/external/v1\"\ntoken = \"t\"\nrequests_per_minute = 0\n[[tenants]]\nid = 1\n".to_string(),
             "upstream.requests_per_minute: must be at least 1",
@@ -148,6 +193,117 @@ fn every_broken_config_is_reported_as_one_line_naming_its_key() {
             assert!(!p.contains('\n'), "{what}: multi-line problem {p:?}");
         }
     }
+}
+
+#[test]
+fn a_config_with_many_mistakes_lists_every_one_in_one_round() {
+    let toml = r#"
+[upstream]
+base_url = "http://x/api/external/v1"
+token = "t"
+timeout = 30
+requests_per_minute = "many"
+
+[[tenants]]
+id = 1
+resources = ["products"]
+
+[poll]
+intervall = "30s"
+jitter = "abc"
+max_delete_fraction = 2.0
+
+[sink]
+kind = "redis"
+
+[log]
+format = "xml"
+"#;
+    let problems = from_toml_str(toml).unwrap_err().problems;
+    for expected in [
+        "upstream.timeout: expected a duration, found ",
+        "upstream.requests_per_minute: expected a whole number (0 or more), found string \"many\"",
+        "tenants[0].resources[0]: unknown value `products`",
+        "poll.intervall: unknown key `intervall`",
+        "poll.jitter: expected a number, found string \"abc\"",
+        "poll.max_delete_fraction: must be between 0 and 1, got 2",
+        "sink.kind: unknown value `redis`",
+        "log.format: unknown value `xml`",
+    ] {
+        assert!(
+            problems.iter().any(|p| p.starts_with(expected)),
+            "no line starting with {expected:?} in {problems:#?}"
+        );
+    }
+    assert_eq!(problems.len(), 8, "{problems:#?}");
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.starts_with("upstream.timeout")
+                && p.contains("`30`: add a unit, e.g. \"30s\"")),
+        "{problems:#?}"
+    );
+}
+
+#[test]
+fn a_toml_syntax_error_is_one_line_with_its_line_and_column() {
+    let broken = "[upstream]\nbase_url = \"http://x/api/external/v1\ntoken = \"t\"\n";
+    let (code, _, stderr, path) = check_config(broken, &[]);
+    assert_eq!(code, Some(2));
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.starts_with(&format!(
+            "error: config file {path}: invalid TOML at line 2, column "
+        )),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn platform_injected_variables_are_ignored_and_a_typo_in_a_config_variable_is_named() {
+    // What kubelet injects for Services named voucher-cdc and voucher-cdc-metrics.
+    let (code, _, stderr, _) = check_config(
+        MINIMAL,
+        &[
+            ("VOUCHER_CDC_METRICS_PORT", "tcp://10.0.0.1:9464"),
+            ("VOUCHER_CDC_METRICS_SERVICE_HOST", "10.0.0.1"),
+            ("VOUCHER_CDC_METRICS_PORT_9464_TCP_ADDR", "10.0.0.1"),
+            ("VOUCHER_CDC_SERVICE_PORT_ADMIN", "9464"),
+            ("VOUCHER_CDC_PORT", "tcp://10.0.0.2:9464"),
+        ],
+    );
+    assert_eq!(code, Some(0), "{stderr}");
+
+    let (code, _, stderr, _) = check_config(MINIMAL, &[("VOUCHER_CDC_POLL__INTERVALL", "5s")]);
+    assert_eq!(code, Some(2));
+    assert!(
+        stderr.contains("poll.intervall: unknown key `intervall`")
+            && stderr.contains("VOUCHER_CDC_POLL__INTERVALL"),
+        "{stderr}"
+    );
+    let (code, _, stderr, _) = check_config(MINIMAL, &[("VOUCHER_CDC_POLL__JITTER", "abc")]);
+    assert_eq!(code, Some(2));
+    assert_eq!(
+        stderr.trim(),
+        "error: poll.jitter: expected a number, found string \"abc\" (from env VOUCHER_CDC_POLL__JITTER)"
+    );
+    let (code, _, stderr, _) = check_config(MINIMAL, &[("VOUCHER_CDC_POL__INTERVAL", "5s")]);
+    assert_eq!(code, Some(2));
+    assert!(
+        stderr.starts_with("error: VOUCHER_CDC_POL__INTERVAL: unknown config section `pol`"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn check_config_prints_the_defaults_that_matter() {
+    let (code, stdout, stderr, _) =
+        check_config(&format!("{MINIMAL}\n[sink]\nkind = \"file\"\n"), &[]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        stdout.contains("[sink.file]") && stdout.contains("path = \"./data/events.jsonl\""),
+        "{stdout}"
+    );
 }
 
 #[test]
@@ -229,20 +385,11 @@ fn the_config_file_can_be_named_by_env_without_being_read_as_a_key() {
 
 #[test]
 fn check_config_exits_2_with_one_line_per_problem() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("c.toml");
-    std::fs::write(
-        &path,
-        format!("{MINIMAL}\n[sink]\nkind = \"kafka\"\n[poll]\nmax_delete_fraction = 3.0\n"),
-    )
-    .unwrap();
-    let out = common::cli()
-        .args(["check-config", "--config"])
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let (code, _, stderr, _) = check_config(
+        &format!("{MINIMAL}\n[sink]\nkind = \"kafka\"\n[poll]\nmax_delete_fraction = 3.0\n"),
+        &[],
+    );
+    assert_eq!(code, Some(2));
     let lines: Vec<&str> = stderr.lines().collect();
     assert_eq!(lines.len(), 2, "{stderr}");
     assert!(lines

@@ -286,11 +286,14 @@ async fn a_stream_refused_access_is_parked_and_visible_while_the_others_go_on_th
         "{parked:?}"
     );
 
+    // A parked stream is reported, but the process can work: still ready,
+    // so one tenant without access does not stall rollouts and node drains.
     let (code, ready) = get_json(&format!("{admin}/readyz")).await;
-    assert_eq!(code, 503);
-    let reasons = ready["reasons"].as_array().unwrap();
+    assert_eq!(code, 200, "{ready}");
+    assert_eq!(ready["reasons"], serde_json::json!([]), "{ready}");
+    let streams = ready["streams"].as_array().unwrap();
     assert!(
-        reasons.iter().any(|r| r
+        streams.iter().any(|r| r
             .as_str()
             .unwrap()
             .starts_with("stream 4/vouchers parked: upstream returned")),

@@ -153,3 +153,57 @@ fn the_kubernetes_config_loads_and_each_pod_resolves_its_shard_from_its_name() {
     let beyond = format!("voucher-cdc-{count}");
     assert!(config.shard.resolve_with_hostname(Some(&beyond)).is_err());
 }
+
+/// Every `voucher_cdc_*` name in `text` (histogram suffixes dropped).
+fn metric_names(text: &str) -> std::collections::BTreeSet<String> {
+    text.match_indices("voucher_cdc_")
+        .map(|(at, _)| {
+            let name: String = text[at..]
+                .chars()
+                .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
+                .collect();
+            ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s))
+                .map(str::to_string)
+                .unwrap_or(name)
+        })
+        .collect()
+}
+
+/// The `- alert: Name` entries of a text.
+fn alert_names(text: &str) -> std::collections::BTreeSet<String> {
+    text.lines()
+        .filter_map(|l| l.trim().strip_prefix("- alert: "))
+        .map(|n| n.trim().to_string())
+        .collect()
+}
+
+#[test]
+fn the_prometheus_rule_ships_the_documented_alerts_on_metrics_that_exist() {
+    let rule = read("deploy/kubernetes/prometheusrule.yaml");
+    assert!(
+        read("deploy/kubernetes/kustomization.yaml").contains("- prometheusrule.yaml"),
+        "the kustomization must apply the PrometheusRule"
+    );
+    let exprs: String = rule
+        .lines()
+        .filter(|l| l.trim().starts_with("expr:"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let defined = metric_names(&read("src/telemetry.rs"));
+    let used = metric_names(&exprs);
+    assert!(!used.is_empty());
+    let unknown: Vec<_> = used.difference(&defined).collect();
+    assert!(
+        unknown.is_empty(),
+        "alerts use unknown metrics: {unknown:?}"
+    );
+    assert_eq!(
+        alert_names(&rule),
+        alert_names(&read("docs/operations.md")),
+        "prometheusrule.yaml and docs/operations.md list different alerts"
+    );
+    assert!(alert_names(&rule).contains("VoucherCdcStreamParked"));
+    assert!(alert_names(&rule).contains("VoucherCdcStreamFailing"));
+}

@@ -327,3 +327,35 @@ async fn a_server_killed_mid_batch_fails_publishes_as_retriable_and_a_retry_afte
     assert_eq!(stored.len(), expected.len(), "some events are stored twice");
     assert!(sink.health().await.is_ok());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_deleted_at_run_time_is_created_again_and_the_retry_lands() {
+    let Some(server) = spawn_nats() else { return };
+    let config = sink_config(&server);
+    let sink = NatsSink::connect(&config).await.unwrap();
+    let events = sample_events(StreamKey::new(7, Resource::Vouchers), 1, 3, Op::Update, 64);
+
+    jetstream(&server)
+        .await
+        .delete_stream(&config.stream)
+        .await
+        .unwrap();
+    let acks = sink.publish(&events).await;
+    assert!(
+        acks.iter()
+            .all(|a| matches!(a, Err(SinkError::Retriable(m)) if m.contains("no stream listens"))),
+        "{acks:?}"
+    );
+
+    // The sink created the stream again: the sweep's retry is acknowledged.
+    let attempts = retry_until_acked(&sink, events.clone(), Duration::from_secs(10)).await;
+    assert_eq!(attempts, 1, "the first retry must land");
+    assert_eq!(
+        stored_messages(&server, &config.stream)
+            .await
+            .into_iter()
+            .map(|(_, id)| id)
+            .collect::<BTreeSet<_>>(),
+        ids(&events)
+    );
+}

@@ -1,10 +1,15 @@
 //! The `stdout` sink: one CloudEvent JSON per line on standard output, for
 //! `demo` and for piping into `jq` or another tool. Logs go to stderr.
+//!
+//! A closed standard output (`voucher-cdc demo | head`) cannot be retried:
+//! the sink reports it through [`StdoutSink::closed`], and the daemon then
+//! stops like any Unix tool whose reader went away, after flushing its state.
 
 use std::io::{self, Write};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
+use tokio_util::sync::CancellationToken;
 
 use super::file::json_lines;
 use super::{Ack, Sink, SinkError};
@@ -14,6 +19,7 @@ use crate::event::Event;
 #[derive(Clone)]
 pub struct StdoutSink {
     out: Arc<Mutex<Box<dyn Write + Send>>>,
+    closed: CancellationToken,
 }
 
 impl std::fmt::Debug for StdoutSink {
@@ -38,7 +44,13 @@ impl StdoutSink {
     pub fn with_writer(out: impl Write + Send + 'static) -> StdoutSink {
         StdoutSink {
             out: Arc::new(Mutex::new(Box::new(out))),
+            closed: CancellationToken::new(),
         }
+    }
+
+    /// Cancelled once a write found the reader gone (EPIPE): nothing more can be delivered.
+    pub fn closed(&self) -> CancellationToken {
+        self.closed.clone()
     }
 
     async fn write(&self, bytes: Vec<u8>) -> Result<(), SinkError> {
@@ -51,9 +63,12 @@ impl StdoutSink {
         match joined {
             Ok(Ok(())) => Ok(()),
             // Nobody reads our output any more: retrying cannot help.
-            Ok(Err(e)) if e.kind() == io::ErrorKind::BrokenPipe => Err(SinkError::Fatal(format!(
-                "stdout sink: standard output is closed: {e}"
-            ))),
+            Ok(Err(e)) if e.kind() == io::ErrorKind::BrokenPipe => {
+                self.closed.cancel();
+                Err(SinkError::Fatal(format!(
+                    "stdout sink: standard output is closed: {e}"
+                )))
+            }
             Ok(Err(e)) => Err(SinkError::Retriable(format!(
                 "stdout sink: writing standard output: {e}"
             ))),
@@ -79,6 +94,10 @@ impl Sink for StdoutSink {
     }
 
     async fn flush(&self) -> Result<(), SinkError> {
+        if self.closed.is_cancelled() {
+            // The reader went away: there is nothing left to flush to.
+            return Ok(());
+        }
         self.write(Vec::new()).await
     }
 }
@@ -135,7 +154,13 @@ mod tests {
             broken: true,
             ..Capture::default()
         });
+        assert!(!broken.closed().is_cancelled());
         let acks = broken.publish(&[event(1)]).await;
+        assert!(
+            broken.closed().is_cancelled(),
+            "a closed pipe must stop the process, not be retried"
+        );
+        broken.flush().await.unwrap();
         let err = acks[0].clone().unwrap_err();
         assert!(!err.is_retriable());
         assert!(

@@ -16,8 +16,10 @@ pub const REDACTED: &str = "<redacted>";
 /// Placeholders a topic template may use.
 pub const PLACEHOLDERS: [&str; 2] = ["{resource}", "{tenant}"];
 
-/// librdkafka properties voucher-cdc sets itself, with the config key that controls each.
-const MANAGED_PROPERTIES: [(&str, &str); 5] = [
+/// librdkafka properties voucher-cdc sets itself, with the config key that
+/// controls each. Every alias librdkafka's CONFIGURATION.md lists for one of
+/// them is here too: with both set, which one wins is up to librdkafka.
+const MANAGED_PROPERTIES: [(&str, &str); 7] = [
     ("bootstrap.servers", "sink.kafka.brokers"),
     ("metadata.broker.list", "sink.kafka.brokers"),
     (
@@ -28,7 +30,12 @@ const MANAGED_PROPERTIES: [(&str, &str); 5] = [
         "acks",
         "nothing: the producer always waits for all in-sync replicas",
     ),
+    (
+        "request.required.acks",
+        "nothing: the producer always waits for all in-sync replicas",
+    ),
     ("message.timeout.ms", "sink.kafka.message_timeout"),
+    ("delivery.timeout.ms", "sink.kafka.message_timeout"),
 ];
 
 /// Configuration of the Kafka sink (`[sink.kafka]`).
@@ -201,10 +208,11 @@ impl KafkaSinkConfig {
         if i32::try_from(self.message_timeout.as_millis()).is_err() {
             return Err(invalid("message_timeout", "must be shorter than 24 days"));
         }
-        for (property, controlled_by) in MANAGED_PROPERTIES {
-            if self.properties.contains_key(property) {
+        for key in self.properties.keys() {
+            let name = key.trim().to_ascii_lowercase();
+            if let Some((_, controlled_by)) = MANAGED_PROPERTIES.iter().find(|(p, _)| *p == name) {
                 return Err(invalid(
-                    format!("properties.\"{property}\""),
+                    format!("properties.\"{key}\""),
                     format!("is set by voucher-cdc; use {controlled_by}"),
                 ));
             }
@@ -400,6 +408,26 @@ mod tests {
             .insert("message.timeout.ms".to_string(), "5".to_string());
         let err = config.validate().unwrap_err().to_string();
         assert!(err.contains("sink.kafka.message_timeout"), "{err}");
+    }
+
+    #[test]
+    fn every_librdkafka_alias_of_a_managed_property_is_refused_too() {
+        for (alias, controlled_by) in [
+            ("request.required.acks", "all in-sync replicas"),
+            ("delivery.timeout.ms", "sink.kafka.message_timeout"),
+            ("metadata.broker.list", "sink.kafka.brokers"),
+            ("bootstrap.servers", "sink.kafka.brokers"),
+            (" Acks", "all in-sync replicas"),
+        ] {
+            let mut config = KafkaSinkConfig::new("b:9092");
+            config.properties.insert(alias.to_string(), "1".to_string());
+            let err = config.validate().unwrap_err().to_string();
+            assert!(
+                err.starts_with(&format!("sink.kafka.properties.\"{alias}\"")),
+                "{err}"
+            );
+            assert!(err.contains(controlled_by), "{alias}: {err}");
+        }
     }
 
     #[test]

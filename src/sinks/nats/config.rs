@@ -10,6 +10,9 @@ use serde::{Deserialize, Serialize};
 pub use crate::secret::{Secret, REDACTED};
 
 /// Configuration of the NATS JetStream sink (`[sink.nats]`).
+/// Upper bound of every `[sink.nats]` duration.
+const MAX_DURATION: Duration = Duration::from_secs(7 * 86_400);
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NatsSinkConfig {
@@ -199,6 +202,23 @@ impl NatsSinkConfig {
         if self.connect_timeout.is_zero() {
             return Err(invalid("connect_timeout", "must be longer than zero"));
         }
+        // Longer values are mistakes, and would overflow deadline arithmetic.
+        for (key, value) in [
+            ("duplicate_window", self.duplicate_window),
+            ("publish_timeout", self.publish_timeout),
+            ("connect_timeout", self.connect_timeout),
+        ] {
+            if value > MAX_DURATION {
+                return Err(invalid(
+                    key,
+                    format!(
+                        "{} is too long: at most {}",
+                        humantime::format_duration(value),
+                        humantime::format_duration(MAX_DURATION)
+                    ),
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -325,6 +345,16 @@ mod tests {
             vec!["nats://a:4222", "nats://b:4222", "c:4222"]
         );
         config.validate().unwrap();
+    }
+
+    #[test]
+    fn an_absurd_timeout_is_a_config_error_not_an_overflow() {
+        let config = parse(r#"connect_timeout = "100000years""#).unwrap();
+        let err = config.validate().unwrap_err().to_string();
+        assert!(
+            err.starts_with("sink.nats.connect_timeout: 100000years is too long: at most 7days"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -7,11 +7,14 @@
 //! Start-up connects (retrying unreachable servers for `connect_timeout`,
 //! then failing with the URLs named) and creates or updates the stream.
 //! Afterwards the client reconnects on its own, endlessly; while no server is
-//! reachable publishes fail as retriable after `publish_timeout`.
+//! reachable publishes fail as retriable after `publish_timeout`. A stream
+//! deleted at run time is created again as at start, after the publish that
+//! found it missing (which fails as retriable and is retried by the sweep).
 
 pub mod config;
 pub mod stream;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -69,6 +72,12 @@ pub struct NatsSink {
     publish_timeout: Duration,
     max_in_flight: usize,
     in_flight: Arc<Semaphore>,
+    /// The config the stream is (re)created from.
+    config: NatsSinkConfig,
+    /// Set by a publish that found no stream listening; cleared by the re-creation.
+    stream_missing: AtomicBool,
+    /// One re-creation at a time.
+    recreating: tokio::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for NatsSink {
@@ -96,7 +105,27 @@ impl NatsSink {
             publish_timeout: config.publish_timeout,
             max_in_flight: config.max_in_flight,
             in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
+            config: config.clone(),
+            stream_missing: AtomicBool::new(false),
+            recreating: tokio::sync::Mutex::new(()),
         })
+    }
+
+    /// Creates the stream again (as at start) after a publish found it missing.
+    async fn recreate_stream(&self) {
+        let _one = self.recreating.lock().await;
+        if !self.stream_missing.swap(false, Ordering::SeqCst) {
+            return;
+        }
+        match stream::ensure_stream(&self.js, &self.config).await {
+            Ok(()) => tracing::warn!(stream = %self.config.stream,
+                "nats stream was missing (deleted at run time?); created it again, the sweep retries the failed events"),
+            Err(e) => {
+                tracing::warn!(stream = %self.config.stream, error = %e,
+                    "nats stream is missing and cannot be created again; retrying later");
+                self.stream_missing.store(true, Ordering::SeqCst);
+            }
+        }
     }
 
     async fn publish_one(&self, event: &Event, max_payload: usize) -> Ack {
@@ -150,9 +179,12 @@ impl NatsSink {
             PublishErrorKind::BrokenPipe => {
                 format!("nats: connection lost before the ack for `{subject}` arrived")
             }
-            PublishErrorKind::StreamNotFound => format!(
-                "nats: no stream listens on `{subject}` (stream deleted or jetstream not ready)"
-            ),
+            PublishErrorKind::StreamNotFound => {
+                self.stream_missing.store(true, Ordering::SeqCst);
+                format!(
+                    "nats: no stream listens on `{subject}` (stream deleted or jetstream not ready; creating it again)"
+                )
+            }
             _ => format!("nats: publish to `{subject}` failed: {error}"),
         };
         if is_fatal(kind, code) {
@@ -206,6 +238,10 @@ impl Sink for NatsSink {
         let mut outcomes = futures::stream::iter(publishes).buffer_unordered(self.max_in_flight);
         while let Some((index, outcome)) = outcomes.next().await {
             acks[index] = outcome;
+        }
+        drop(outcomes);
+        if self.stream_missing.load(Ordering::SeqCst) {
+            self.recreate_stream().await;
         }
         acks
     }
