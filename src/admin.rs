@@ -599,6 +599,7 @@ mod tests {
                     updated_at: None,
                     seen_epoch: 0,
                     generation: 0,
+                    seq: 0,
                 };
                 (i64::from(n), record)
             })

@@ -403,7 +403,18 @@ async fn a_retriable_sink_outage_is_waited_out_without_committing() {
     h.sink.set_mode(FaultMode::Down);
     let sweeper = h.sweeper(stream);
     let task = tokio::spawn(async move { sweeper.run(SweepKind::Incremental).await });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The outage is really hit: the sink is called (and fails) several times.
+    let sink = h.sink.clone();
+    common::wait_until(
+        "three failed publish calls",
+        Duration::from_secs(30),
+        || sink.publish_calls() >= 3,
+    )
+    .await;
+    assert!(
+        h.sink.events().is_empty(),
+        "nothing acknowledged while down"
+    );
     assert_eq!(
         h.store.record_count(stream).unwrap(),
         0,
@@ -537,36 +548,68 @@ fn assert_nothing_lost(h: &Harness, stream: StreamKey, acked: &[Value], deleted:
     }
 }
 
-/// Same id, same change: every id acknowledged twice carries the same type,
-/// subject and content hash.
+/// Same id, same change, both ways: an id acknowledged twice always names the
+/// same change (type, subject, op, content and previous hash), and a change
+/// acknowledged twice (a re-publish after a crash) always carries exactly the
+/// id it had the first time. Random ids fail the second half.
 fn assert_duplicates_share_ids(acked: &[Value]) {
-    let mut by_id: HashMap<String, (Value, Value, Value)> = HashMap::new();
-    for e in acked {
-        let key = (
+    let change = |e: &Value| {
+        (
             e["type"].clone(),
             e["subject"].clone(),
+            e["op"].clone(),
             e["contenthash"].clone(),
-        );
-        if let Some(prev) = by_id.insert(e["id"].as_str().unwrap().to_string(), key.clone()) {
-            assert_eq!(prev, key, "one id, two different changes");
+            e.get("previoushash").cloned().unwrap_or(Value::Null),
+        )
+    };
+    let mut by_id: HashMap<String, _> = HashMap::new();
+    let mut by_change: HashMap<_, String> = HashMap::new();
+    for e in acked {
+        let id = e["id"].as_str().unwrap().to_string();
+        if let Some(prev) = by_id.insert(id.clone(), change(e)) {
+            assert_eq!(prev, change(e), "one id, two different changes");
+        }
+        if let Some(prev) = by_change.insert(change(e), id.clone()) {
+            assert_eq!(prev, id, "one change re-published under a new id: {e}");
         }
     }
 }
 
+/// The upstream changes of the crash test: a create, an update, a silent
+/// update and a delete on top of a synced 120-record stream.
+async fn crash_test_setup() -> (Harness, Vec<Value>, Vec<i64>) {
+    let h = spawn_harness(1, 120, 2).await;
+    let acked = h.sweep(1, V, SweepKind::Incremental).await;
+    let ids = h.sim.record_ids(1, V);
+    h.sim.create(1, V);
+    h.sim.update(1, V, ids[5]);
+    h.sim.update_silently(1, V, ids[70]);
+    h.sim.delete(1, V, ids[9]);
+    (h, acked, vec![ids[9]])
+}
+
 #[tokio::test]
 async fn a_crash_at_every_store_step_never_loses_a_change_and_republishes_with_the_same_ids() {
-    // Reference run: how many mutating store calls a create+update+delete full sweep makes.
-    for fail_at in 1..=12 {
-        let mut h = spawn_harness(1, 120, 2).await;
-        let stream = StreamKey::new(1, V);
-        let mut acked = h.sweep(1, V, SweepKind::Incremental).await;
-        let ids = h.sim.record_ids(1, V);
-        h.sim.create(1, V);
-        h.sim.update(1, V, ids[5]);
-        h.sim.update_silently(1, V, ids[70]);
-        h.sim.delete(1, V, ids[9]);
-        let deleted = vec![ids[9]];
+    // Reference run: how many mutating store calls this full sweep makes.
+    let (h, _, _) = crash_test_setup().await;
+    let counting = Arc::new(CrashingStore {
+        inner: h.store.clone(),
+        fail_at: usize::MAX,
+        calls: AtomicUsize::new(0),
+    });
+    h.sweeper_with(StreamKey::new(1, V), counting.clone())
+        .run(SweepKind::Full)
+        .await
+        .expect("the reference sweep succeeds");
+    let steps = counting.calls.load(Ordering::SeqCst);
+    assert!(
+        steps >= 6,
+        "intents, commit, delete intents, delete commit, saves: {steps}"
+    );
 
+    for fail_at in 1..=steps {
+        let (mut h, mut acked, deleted) = crash_test_setup().await;
+        let stream = StreamKey::new(1, V);
         let crashing: Arc<dyn StateStore> = Arc::new(CrashingStore {
             inner: h.store.clone(),
             fail_at,
@@ -574,6 +617,10 @@ async fn a_crash_at_every_store_step_never_loses_a_change_and_republishes_with_t
         });
         h.sink.take();
         let crashed = h.sweeper_with(stream, crashing).run(SweepKind::Full).await;
+        assert!(
+            crashed.is_err(),
+            "step {fail_at} of {steps} was not crashed"
+        );
         acked.extend(h.sink.take().iter().map(json));
         h.reopen();
         acked.extend(h.sweep(1, V, SweepKind::Full).await);
@@ -582,9 +629,6 @@ async fn a_crash_at_every_store_step_never_loses_a_change_and_republishes_with_t
         acked.extend(rerun);
         assert_nothing_lost(&h, stream, &acked, &deleted);
         assert_duplicates_share_ids(&acked);
-        if crashed.is_ok() {
-            break; // fail_at is past the last mutating call
-        }
     }
 }
 
@@ -595,17 +639,19 @@ async fn dropping_the_sweep_at_every_publish_never_loses_a_change() {
         let stream = StreamKey::new(1, V);
         h.sink.set_mode(FaultMode::FailAfter(ack_before_hang));
         let sweeper = h.sweeper(stream);
-        // The sink keeps failing, the sweep keeps retrying: the process dies.
-        let crashed = tokio::time::timeout(
-            Duration::from_millis(300),
-            sweeper.run(SweepKind::Incremental),
-        )
-        .await;
-        assert!(
-            crashed.is_err(),
-            "sweep must not finish while the sink fails"
-        );
-        drop(sweeper);
+        // The sink keeps failing, the sweep keeps retrying: the process dies
+        // once the failure was really hit (an explicit point, not a timer).
+        let mut run = Box::pin(async move { sweeper.run(SweepKind::Incremental).await });
+        let sink = h.sink.clone();
+        let failing =
+            common::wait_until("the sink failed an event", Duration::from_secs(60), || {
+                sink.offered() > ack_before_hang
+            });
+        tokio::select! {
+            finished = &mut run => panic!("sweep must not finish while the sink fails: {finished:?}"),
+            _ = failing => {}
+        }
+        drop(run);
         let mut acked: Vec<Value> = h.sink.take().iter().map(json).collect();
         assert_eq!(acked.len(), ack_before_hang);
         // Never a hash without an ack.

@@ -455,6 +455,82 @@ mod tests {
         bucket
     }
 
+    /// Golden bytes: a change here makes existing stores unreadable (or read
+    /// wrongly). A deliberate change bumps the layout and is written in the
+    /// README's upgrade notes.
+    #[test]
+    fn the_encodings_of_a_record_an_intent_and_a_tombstone_are_pinned() {
+        let mut bucket = Bucket::default();
+        bucket.slots[1] = Some(RecordState {
+            hash: hash(0xab),
+            updated_at: Some(0x0102_0304_0506_0708),
+            seen_epoch: 300,
+            generation: 2,
+            seq: 5,
+        });
+        bucket.slots[2] = Some(RecordState {
+            hash: hash(0xcd),
+            updated_at: None,
+            seen_epoch: 1,
+            generation: 0,
+            seq: 0,
+        });
+        let mut out = Vec::new();
+        encode_bucket(&bucket, &mut out);
+        assert_eq!(
+            hex::encode(&out),
+            concat!(
+                "00000006",
+                "03",
+                "abababababababababababababababab",
+                "0102030405060708",
+                "ac02",
+                "02",
+                "05",
+                "00",
+                "cdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcd",
+                "01",
+                "00",
+            )
+        );
+        let intent = Intent {
+            hash: hash(0x11),
+            updated_at: None,
+            generation: 1,
+            seq: 2,
+            op: Some(Op::Update),
+            previous: Some(hash(0x22)),
+            replay: Some([0x33; 16]),
+        };
+        encode_journal(&[(-1, intent)], &mut out);
+        assert_eq!(
+            hex::encode(&out),
+            concat!(
+                "01",
+                "ffffffffffffffff",
+                "1e",
+                "11111111111111111111111111111111",
+                "01",
+                "02",
+                "75",
+                "22222222222222222222222222222222",
+                "33333333333333333333333333333333",
+            )
+        );
+        encode_tombstone(
+            &Tombstone {
+                generation: 3,
+                last_hash: hash(0x44),
+                updated_at: Some(1),
+            },
+            &mut out,
+        );
+        assert_eq!(
+            hex::encode(&out),
+            "0144444444444444444444444444444444000000000000000103"
+        );
+    }
+
     #[test]
     fn a_typical_record_takes_27_bytes_in_its_bucket() {
         let mut out = Vec::new();

@@ -1,0 +1,149 @@
+//! Golden vectors for what must never change by accident: event ids (what
+//! brokers and consumers deduplicate by) and content hashes (what decides
+//! whether a record changed). A change to any value here breaks deduplication
+//! or re-emits whole catalogs across an upgrade: if it is deliberate, change
+//! the vector and write it in the README's upgrade notes.
+
+use chrono::{TimeZone, Utc};
+use serde_json::value::RawValue;
+use voucher_cdc::diff::{content_hash, IgnoreKeys};
+use voucher_cdc::event::{event_id, record_event, replay_event, EventIdParts, Op, RecordChange};
+use voucher_cdc::stream::{Resource, StreamKey};
+
+fn parts(seq: u64) -> EventIdParts<'static> {
+    EventIdParts {
+        tenant: 42,
+        resource: Resource::Vouchers,
+        record_id: "123",
+        generation: 0,
+        seq,
+        updated_at: Some("2024-05-01T10:00:00.000000Z"),
+        content_hash: "00112233445566778899aabbccddeeff",
+        previous_hash: None,
+        replay_id: None,
+    }
+}
+
+#[test]
+fn event_ids_of_records_are_pinned() {
+    let vectors: [(EventIdParts<'static>, &str); 6] = [
+        (parts(0), "c451373cad594b3c5f3bb067ffc55554"),
+        (parts(1), "110cdaee86e27ea5113440b8180b06ac"),
+        (
+            EventIdParts {
+                previous_hash: Some("ffeeddccbbaa99887766554433221100"),
+                ..parts(2)
+            },
+            "a12c04ee7de56239083d5def07b63616",
+        ),
+        (
+            EventIdParts {
+                generation: 1,
+                ..parts(0)
+            },
+            "35da6e22f8a4d5b12df3155ff13aaa1c",
+        ),
+        (
+            EventIdParts {
+                replay_id: Some("0123456789abcdef0123456789abcdef"),
+                ..parts(0)
+            },
+            "9ea72138680ed0310de29e60179d312e",
+        ),
+        (
+            EventIdParts {
+                resource: Resource::Categories,
+                updated_at: None,
+                ..parts(0)
+            },
+            "1372f5a57129dc5049e57c014b284fed",
+        ),
+    ];
+    for (i, (parts, expected)) in vectors.iter().enumerate() {
+        assert_eq!(event_id(parts), *expected, "vector {i}: {parts:?}");
+    }
+}
+
+#[test]
+fn the_change_sequence_alone_changes_the_id() {
+    assert_ne!(event_id(&parts(3)), event_id(&parts(4)));
+}
+
+#[test]
+fn a_delete_event_and_replay_frames_have_pinned_ids() {
+    let stream = StreamKey::new(42, Resource::Vouchers);
+    let data = RawValue::from_string(r#"{"id":123}"#.to_string()).unwrap();
+    let delete = record_event(&RecordChange {
+        stream,
+        record_id: "123",
+        generation: 2,
+        seq: 7,
+        op: Op::Delete,
+        updated_at: Some("2024-05-01T10:00:00.000000Z"),
+        content_hash: &content_hash(data.get(), &IgnoreKeys::default())
+            .unwrap()
+            .to_hex(),
+        previous_hash: Some("00112233445566778899aabbccddeeff"),
+        replay_id: None,
+        data: &data,
+        detected_at: Utc.with_ymd_and_hms(2024, 5, 2, 0, 0, 0).unwrap(),
+    });
+    assert_eq!(delete.id, "46be4dd44e4957431709576ea859ac30");
+    let now = Utc.with_ymd_and_hms(2024, 5, 2, 0, 0, 0).unwrap();
+    let replay = "0123456789abcdef0123456789abcdef";
+    let started = replay_event(stream, replay, None, false, 0, now);
+    let completed = replay_event(stream, replay, None, true, 55, now);
+    assert_eq!(started.id, "57018a1327b9fec2ef15a552f5191b51");
+    assert_eq!(completed.id, "f7420749e6c51ea5a84ee7bcb31dfc38");
+    // The completed count is data, not identity.
+    assert_eq!(
+        replay_event(stream, replay, None, true, 56, now).id,
+        completed.id
+    );
+}
+
+#[test]
+fn content_hashes_of_tricky_records_are_pinned() {
+    let ignore = IgnoreKeys::new(["updated_at"]);
+    let vectors = [
+        (
+            r#"{"id":1,"title":"Spa day","price":25.00}"#,
+            "d07c7d384b13c9c2f29b9ade7d13d92c",
+        ),
+        (
+            r#"{"price":25,"title":"Spa day","id":1}"#,
+            "d07c7d384b13c9c2f29b9ade7d13d92c",
+        ),
+        (
+            r#"{"id":2,"big":9007199254740993,"bigger":123456789012345678901234567890}"#,
+            "ec8073fe5ed75bf81b973b52f49df9e2",
+        ),
+        (
+            r#"{"id":3,"small":1e-07,"same":0.0000001}"#,
+            "bf572c8b95ee4c91f4c7e65c0fe11a9a",
+        ),
+        (
+            r#"{"id":4,"title":"Caf\u00e9 \ud83c\udf70 \"quoted\" \\ / \/"}"#,
+            "4159ea98361951ee6f1e0dad569cc41d",
+        ),
+        (
+            r#"{"id":4,"title":"Café 🍰 \"quoted\" \\ / /"}"#,
+            "4159ea98361951ee6f1e0dad569cc41d",
+        ),
+        (
+            r#"{"id":5,"updated_at":"2024-01-01T00:00:00Z","variants":[{"id":9,"updated_at":"x","price":1.5}],"meta":{"updated_at":null,"k":[]}}"#,
+            "0fc683b54fd54b1e5cf5623ee3269893",
+        ),
+        (
+            r#"{"id":5,"variants":[{"price":15e-1,"id":9}],"meta":{"k":[]},"updated_at":"2030-01-01T00:00:00Z"}"#,
+            "0fc683b54fd54b1e5cf5623ee3269893",
+        ),
+    ];
+    for (raw, expected) in vectors {
+        assert_eq!(
+            content_hash(raw, &ignore).unwrap().to_hex(),
+            expected,
+            "{raw}"
+        );
+    }
+}
