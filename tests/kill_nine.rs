@@ -245,7 +245,7 @@ async fn kill_nine_at_random_moments_loses_no_change() {
     let upstream = upstream_hashes(&sim, &streams());
     let verdict = check_end_state(&events, &upstream);
     println!(
-        "kill-nine result: seed={seed} kills={kills} quick_kills={quick_kills} changes={} records={} events={} fresh_deletes={} losses={} chain_breaks={} id_conflicts={} elapsed={:.0}s",
+        "kill-nine result: seed={seed} kills={kills} quick_kills={quick_kills} changes={} records={} events={} fresh_deletes={} losses={} chain_breaks={} id_conflicts={} unseen_previous={} elapsed={:.0}s",
         changes.load(Ordering::Relaxed),
         verdict.records,
         verdict.events,
@@ -253,6 +253,7 @@ async fn kill_nine_at_random_moments_loses_no_change() {
         verdict.losses.len(),
         verdict.chain_breaks.len(),
         verdict.id_conflicts.len(),
+        verdict.unseen_previous.len(),
         started.elapsed().as_secs_f64(),
     );
     assert!(

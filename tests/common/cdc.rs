@@ -455,6 +455,9 @@ pub struct Verdict {
     pub chain_breaks: Vec<String>,
     /// Event ids carried by two different changes.
     pub id_conflicts: Vec<String>,
+    /// Update/delete events whose previoushash names a version that never
+    /// reached the stream (a possibly-published intent); allowed, reported.
+    pub unseen_previous: Vec<String>,
 }
 
 impl Verdict {
@@ -475,6 +478,12 @@ impl Verdict {
                 let _ = writeln!(out, "{what}: {line}");
             }
         }
+        for line in &self.unseen_previous {
+            let _ = writeln!(
+                out,
+                "note (allowed): previoushash names a version never in the stream: {line}"
+            );
+        }
         out
     }
 }
@@ -484,9 +493,12 @@ impl Verdict {
 ///   last event is `*.updated` with the current content hash, a deleted
 ///   record's (one that has events) is `*.deleted`;
 /// - per record, every update/delete's `previoushash` is the `contenthash` of
-///   the record's previous event (a create or snapshot may start a chain; a
-///   delete may come first: the orphan intent of a create that never reached
-///   the sink);
+///   the record's previous event (a create or snapshot may start a chain), or
+///   names a version that never reached the stream at all: a pending intent
+///   counts as possibly published (DESIGN.md), so a revert after a crash
+///   before the publish, or the delete of a create that never went out,
+///   refers to it. It never names an older version the stream superseded
+///   (that is a change computed against stale state: downstream diverged);
 /// - two stored events with the same id are the same change.
 ///
 /// Events are deduplicated by id (first occurrence kept) before the per-record
@@ -560,21 +572,30 @@ pub fn check_end_state(events: &[StoredEvent], upstream: &BTreeMap<RecordKey, St
             if op != "update" && op != "delete" {
                 continue;
             }
-            match i.checked_sub(1).map(|p| history[p]) {
-                Some(previous) if previous.hash() == event.previous() => {}
-                Some(previous) => verdict.chain_breaks.push(format!(
-                    "{name}: {} follows {} (previoushash should be {}); events: {}",
-                    event.short(),
-                    previous.short(),
-                    short_hash(previous.hash()),
-                    seen()
-                )),
-                None if op == "delete" => {}
-                None => verdict.chain_breaks.push(format!(
-                    "{name}: the first event is an update ({}) whose previous version was never published; events: {}",
-                    event.short(),
-                    seen()
-                )),
+            let previous = i.checked_sub(1).map(|p| history[p]);
+            if previous.is_some_and(|p| p.hash() == event.previous()) {
+                continue;
+            }
+            // A version this record's stream already superseded: downstream held a
+            // newer one, so the change was computed against stale state.
+            let stale = history[..i].iter().any(|e| e.hash() == event.previous());
+            if stale {
+                verdict.chain_breaks.push(match previous {
+                    Some(previous) => format!(
+                        "{name}: {} follows {} (previoushash should be {}, names an older version); events: {}",
+                        event.short(),
+                        previous.short(),
+                        short_hash(previous.hash()),
+                        seen()
+                    ),
+                    None => format!("{name}: {} has no previous event; events: {}", event.short(), seen()),
+                });
+            } else {
+                // A version that never reached the stream: a pending intent whose event
+                // may have been published (the bridge cannot know it was not).
+                verdict
+                    .unseen_previous
+                    .push(format!("{name}: {}", event.short()));
             }
         }
     }
