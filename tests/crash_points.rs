@@ -100,8 +100,9 @@ impl World {
         );
         assert!(
             stderr.contains(&line),
-            "[{}] the crash point was never reached (exit {status}); stderr tail:\n{}",
+            "[{}] the crash point was never reached (exit {status}; is {} built with --features crash-points?); stderr tail:\n{}",
             self.point,
+            cdc::daemon_binary().display(),
             tail(&stderr, 30)
         );
         assert_eq!(
