@@ -265,3 +265,81 @@ async fn kill_nine_at_random_moments_loses_no_change() {
         verdict.report()
     );
 }
+
+/// A stored event for the checker's own test.
+fn stored(
+    seq: u64,
+    id: &str,
+    subject: &str,
+    op: &str,
+    hash: &str,
+    previous: Option<&str>,
+) -> cdc::StoredEvent {
+    let deleted = op == "delete";
+    let event = serde_json::json!({
+        "id": id,
+        "source": "/tenants/1/catalog/vouchers",
+        "type": if deleted { "voucher.deleted" } else { "voucher.updated" },
+        "subject": subject,
+        "tenant": 1,
+        "op": op,
+        "contenthash": hash,
+        "previoushash": previous,
+    });
+    cdc::StoredEvent {
+        seq,
+        msg_id: id.to_string(),
+        subject: format!("voucher_cdc.1.{}", event["type"].as_str().unwrap()),
+        event,
+    }
+}
+
+#[test]
+fn the_end_state_check_catches_dangling_creates_missed_reverts_stale_hashes_and_reused_ids() {
+    let key = |id: &str| (1u64, "vouchers".to_string(), id.to_string());
+    let upstream: std::collections::BTreeMap<RecordKey, String> = [
+        (key("1"), "a1".to_string()), // fine: snapshot, update
+        (key("2"), "a2".to_string()), // reverted upstream, stream says b2
+        (key("5"), "c5".to_string()), // update after a published one names the older hash
+        (key("6"), "b6".to_string()), // revert of an intent that never reached the stream: allowed
+    ]
+    .into_iter()
+    .collect();
+    let events = vec![
+        stored(1, "e1", "1", "snapshot", "z1", None),
+        stored(2, "e2", "1", "update", "a1", Some("z1")),
+        stored(3, "e3", "2", "snapshot", "a2", None),
+        stored(4, "e4", "2", "update", "b2", Some("a2")),
+        stored(5, "e5", "3", "create", "a3", None), // deleted upstream, no delete: dangles
+        stored(6, "e6", "4", "create", "a4", None),
+        stored(7, "e7", "4", "delete", "d4", Some("a4")),
+        stored(8, "e7", "4", "delete", "d4", Some("a4")), // same change re-published: fine
+        stored(9, "e9", "5", "snapshot", "a5", None),
+        stored(10, "e10", "5", "update", "b5", Some("a5")),
+        stored(11, "e11", "5", "update", "c5", Some("a5")), // stale previoushash
+        stored(12, "e12", "6", "snapshot", "b6", None),
+        stored(13, "e13", "6", "update", "b6", Some("never-published")),
+        stored(14, "e2", "1", "update", "x1", Some("a1")), // id reused for another change
+    ];
+    let verdict = check_end_state(&events, &upstream);
+    let losses = verdict.losses.join("\n");
+    assert_eq!(verdict.losses.len(), 2, "{losses}");
+    assert!(losses.contains("vouchers 2 exists upstream"), "{losses}");
+    assert!(
+        losses.contains("vouchers 3 is deleted upstream"),
+        "{losses}"
+    );
+    assert_eq!(verdict.chain_breaks.len(), 1, "{:?}", verdict.chain_breaks);
+    assert!(verdict.chain_breaks[0].contains("vouchers 5"));
+    assert_eq!(verdict.id_conflicts.len(), 1, "{:?}", verdict.id_conflicts);
+    assert!(verdict.id_conflicts[0].contains("e2"));
+    assert_eq!(
+        verdict.unseen_previous.len(),
+        1,
+        "{:?}",
+        verdict.unseen_previous
+    );
+    assert_eq!(verdict.records, 6);
+    assert_eq!(verdict.events, 14);
+    assert!(!verdict.clean());
+}
