@@ -39,7 +39,7 @@ set -e
 result="$(grep -o 'kill-nine result: .*' "$log" | tail -n 1 || true)"
 if [ "$status" -ne 0 ]; then
   # The failure names every lost record and the seed; show it.
-  grep -E 'LOST|CHAIN|ID:|panicked|seed' "$log" | head -n 60 >&2 || tail -n 60 "$log" >&2
+  grep -E '^(LOST|CHAIN|ID):|panicked|seed' "$log" | cut -c1-400 | head -n 60 >&2 || tail -n 60 "$log" >&2
 fi
 if [ -z "$result" ]; then
   echo "kill-test: FAILED before a result (exit $status); see the output above" >&2
@@ -47,7 +47,7 @@ if [ -z "$result" ]; then
 fi
 if [ "$status" -eq 0 ]; then
   echo "kill-test: PASS ${result#kill-nine result: }"
-else
-  echo "kill-test: FAIL ${result#kill-nine result: }"
+  exit 0
 fi
-exit "$status"
+echo "kill-test: FAIL ${result#kill-nine result: }"
+exit 1
