@@ -27,6 +27,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
 use super::cursor::query_fingerprint;
+use super::listing;
 use super::query::{self, FieldErrors};
 use super::redeem;
 use super::state::{token_fingerprint, Grant, RateDecision, SimState};
@@ -570,17 +571,38 @@ fn list(
     };
     let server_time = state.clock.now();
     let from = since.map(|micros| (Some(micros), i64::MIN));
-    let (rows, more) = {
+    let listing_fault = state.listing_fault(tenant, resource);
+    let (mut records, next_cursor): (Vec<Bytes>, Option<String>) = {
         let data = state
             .read_tenant(tenant)
             .ok_or_else(|| fail(StatusCode::NOT_FOUND, format!("tenant {tenant} not found")))?;
-        data.page(resource, from, after, PAGE_SIZE, query.include_mask)
+        match listing_fault {
+            Some(fault) => {
+                let faulty = listing::FaultyQuery {
+                    fault,
+                    resource,
+                    from,
+                    after,
+                    cursor: query.cursor.as_deref(),
+                    include_mask: query.include_mask,
+                    fingerprint,
+                };
+                let (records, next) = listing::page(&data, &state.cursors, &faulty);
+                (records, Some(next))
+            }
+            None => {
+                let (rows, more) = data.page(resource, from, after, PAGE_SIZE, query.include_mask);
+                let next_cursor = match (more, rows.last()) {
+                    (true, Some((key, _))) => Some(state.cursors.encode(*key, fingerprint)),
+                    _ => None,
+                };
+                (
+                    rows.into_iter().map(|(_, bytes)| bytes).collect(),
+                    next_cursor,
+                )
+            }
+        }
     };
-    let next_cursor = match (more, rows.last()) {
-        (true, Some((key, _))) => Some(state.cursors.encode(*key, fingerprint)),
-        _ => None,
-    };
-    let mut records: Vec<Bytes> = rows.into_iter().map(|(_, bytes)| bytes).collect();
     if state.has_faults()
         && state
             .take_fault(|f| matches!(f, Fault::RecordWithoutId))

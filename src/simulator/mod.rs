@@ -8,6 +8,7 @@
 mod cursor;
 mod data;
 mod http;
+mod listing;
 mod mutator;
 mod query;
 mod redeem;
@@ -28,6 +29,7 @@ use crate::stream::{Resource, TenantId};
 use crate::upstream::model::RedemptionVoucher;
 
 pub use state::token_fingerprint;
+pub use store::RecordValue;
 
 /// API path prefix every endpoint lives under.
 pub const API_PREFIX: &str = "/api/external/v1";
@@ -52,6 +54,71 @@ fn parse_tenants(text: &str) -> Result<u64, String> {
         _ => Err(format!(
             "`{text}` is not a tenant count between 1 and 10000"
         )),
+    }
+}
+
+/// A fault in how list operations page, in force until cleared: what an
+/// upstream with a pagination bug looks like to the bridge, so tests can
+/// check that a sweep always ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ListingFault {
+    /// `next_cursor` goes first page → A → B → A → B … and is never null:
+    /// a cursor cycle (each cursor is genuine and signed; the pages under
+    /// A and B are the second and third pages of the listing).
+    #[value(name = "cycle")]
+    CursorCycle,
+    /// `next_cursor` is never null: the listing pages normally to its real
+    /// end, then every further page repeats the listing's first page under
+    /// a fresh cursor never issued before, forever.
+    #[value(name = "endless")]
+    Endless,
+}
+
+/// A record padded to a minimum JSON size (`--oversize`), e.g. to exceed a
+/// broker's maximum payload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Oversize {
+    /// The tenant.
+    pub tenant: TenantId,
+    /// The resource.
+    pub resource: Resource,
+    /// The record id.
+    pub id: i64,
+    /// Minimum length of the record's JSON in bytes.
+    pub bytes: usize,
+}
+
+impl std::str::FromStr for Oversize {
+    type Err = String;
+
+    /// `TENANT:ID:BYTES` (a voucher) or `TENANT:RESOURCE:ID:BYTES`.
+    fn from_str(text: &str) -> Result<Self, String> {
+        let parts: Vec<&str> = text.split(':').collect();
+        let (tenant, resource, id, bytes) = match parts.as_slice() {
+            [tenant, id, bytes] => (*tenant, "vouchers", *id, *bytes),
+            [tenant, resource, id, bytes] => (*tenant, *resource, *id, *bytes),
+            _ => {
+                return Err(format!(
+                    "`{text}` is not TENANT:ID:BYTES or TENANT:RESOURCE:ID:BYTES (e.g. 1:7:2000000)"
+                ))
+            }
+        };
+        let tenant = tenant
+            .parse()
+            .map_err(|_| format!("`{tenant}` in `{text}` is not a tenant number"))?;
+        let resource = resource.parse().map_err(|e| format!("{e} (in `{text}`)"))?;
+        let id = id
+            .parse()
+            .map_err(|_| format!("`{id}` in `{text}` is not a record id"))?;
+        let bytes = bytes
+            .parse()
+            .map_err(|_| format!("`{bytes}` in `{text}` is not a byte count"))?;
+        Ok(Oversize {
+            tenant,
+            resource,
+            id,
+            bytes,
+        })
     }
 }
 
@@ -88,6 +155,13 @@ pub struct SimulateArgs {
     /// Delay added to every response (e.g. `50ms`).
     #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
     pub latency: Duration,
+    /// Pagination fault on every listing: `cycle` (next_cursor A→B→A…) or `endless` (never null).
+    #[arg(long, value_enum)]
+    pub listing_fault: Option<ListingFault>,
+    /// Pad a record's description_html so its JSON is at least BYTES long:
+    /// `TENANT:ID:BYTES` (a voucher) or `TENANT:RESOURCE:ID:BYTES`; repeatable.
+    #[arg(long, value_name = "TENANT:ID:BYTES")]
+    pub oversize: Vec<Oversize>,
 }
 
 /// Options of an in-process simulator; see [`SimulateArgs`] for the meaning of shared fields.
@@ -115,6 +189,10 @@ pub struct SimulatorOptions {
     pub latency: Duration,
     /// Whether 429 responses carry `Retry-After`.
     pub retry_after_header: bool,
+    /// A listing fault on every stream from the start.
+    pub listing_fault: Option<ListingFault>,
+    /// Records padded to a minimum JSON size from the start.
+    pub oversize: Vec<Oversize>,
 }
 
 impl Default for SimulatorOptions {
@@ -131,6 +209,8 @@ impl Default for SimulatorOptions {
             fail_rate: 0.0,
             latency: Duration::ZERO,
             retry_after_header: true,
+            listing_fault: None,
+            oversize: Vec::new(),
         }
     }
 }
@@ -149,6 +229,8 @@ impl From<SimulateArgs> for SimulatorOptions {
             fail_rate: args.fail_rate,
             latency: args.latency,
             retry_after_header: true,
+            listing_fault: args.listing_fault,
+            oversize: args.oversize,
         }
     }
 }
@@ -362,6 +444,50 @@ impl Simulator {
         self.state.record_json(tenant, resource, id, mask)
     }
 
+    /// Sets (Some) or clears (None) a listing fault on every stream; a
+    /// stream's own fault ([`Simulator::set_listing_fault_for`]) wins.
+    pub fn set_listing_fault(&self, fault: Option<ListingFault>) {
+        self.state.set_listing_fault(None, fault);
+    }
+
+    /// Sets or clears the listing fault of one stream only.
+    pub fn set_listing_fault_for(
+        &self,
+        tenant: TenantId,
+        resource: Resource,
+        fault: Option<ListingFault>,
+    ) {
+        self.state
+            .set_listing_fault(Some((tenant, resource)), fault);
+    }
+
+    /// Pads a record's `description_html` so its JSON (listed and fetched,
+    /// with or without relations) is at least `bytes` long, and keeps it so
+    /// through later changes; 0 removes the padding. False when the record
+    /// does not exist. The padding does not bump `updated_at`.
+    pub fn set_oversize(
+        &self,
+        tenant: TenantId,
+        resource: Resource,
+        id: i64,
+        bytes: usize,
+    ) -> bool {
+        self.state.set_oversize(tenant, resource, id, bytes)
+    }
+
+    /// A copy of a record's current version, to put back later with [`Simulator::restore`].
+    pub fn snapshot(&self, tenant: TenantId, resource: Resource, id: i64) -> Option<RecordValue> {
+        self.state.snapshot(tenant, resource, id)
+    }
+
+    /// Puts a [`Simulator::snapshot`] back: the record's content becomes
+    /// exactly the snapshot's again (a revert), or the record is re-created
+    /// with it when it was deleted since. Its `updated_at` is the snapshot's
+    /// too, or a fresh mutation time with `bump`. False for an unknown tenant.
+    pub fn restore(&self, tenant: TenantId, snapshot: &RecordValue, bump: bool) -> bool {
+        self.state.restore(tenant, snapshot, bump)
+    }
+
     /// Freezes the simulator clock at `now`, or returns it to real time with None.
     pub fn set_clock(&self, now: Option<DateTime<Utc>>) {
         self.state.clock.set(now);
@@ -453,6 +579,8 @@ pub async fn run(
     let opts = SimulatorOptions::from(args);
     let (tenants, vouchers, categories) = (opts.tenants, opts.vouchers, opts.categories);
     let (rate_limit, changes) = (opts.rate_limit, opts.changes_per_minute);
+    let listing_fault = opts.listing_fault;
+    let oversize = opts.oversize.len();
     let simulator = Simulator::start(opts).await?;
     tracing::info!(
         base_url = %simulator.base_url(),
@@ -462,6 +590,8 @@ pub async fn run(
         categories,
         rate_limit,
         changes_per_minute = changes,
+        ?listing_fault,
+        oversize_records = oversize,
         "simulator serving the External Voucher API"
     );
     shutdown.await;

@@ -12,8 +12,8 @@ use rand::rngs::StdRng;
 
 use super::cursor::CursorCodec;
 use super::data;
-use super::store::TenantData;
-use super::{Fault, RequestLogEntry, SimulatorOptions};
+use super::store::{RecordValue, TenantData};
+use super::{Fault, ListingFault, RequestLogEntry, SimulatorOptions};
 use crate::stream::{Resource, TenantId};
 use crate::upstream::model::RedemptionVoucher;
 
@@ -168,6 +168,8 @@ pub struct SimState {
     tenants: Vec<RwLock<TenantData>>,
     tokens: RwLock<HashMap<String, Grant>>,
     faults: Mutex<VecDeque<Fault>>,
+    /// Listing faults by stream; the `None` key applies to every stream.
+    listing_faults: RwLock<HashMap<Option<(TenantId, Resource)>, ListingFault>>,
     log: Mutex<VecDeque<RequestLogEntry>>,
     windows: Mutex<HashMap<(String, IpAddr), (Instant, u32)>>,
     rng: Mutex<StdRng>,
@@ -206,6 +208,7 @@ impl SimState {
             tenants,
             tokens: RwLock::new(HashMap::new()),
             faults: Mutex::new(VecDeque::new()),
+            listing_faults: RwLock::new(HashMap::new()),
             log: Mutex::new(VecDeque::new()),
             windows: Mutex::new(HashMap::new()),
             rng: Mutex::new(data::tenant_rng(opts.seed, 0, 1)),
@@ -218,7 +221,72 @@ impl SimState {
             record_without_id_uses: AtomicU64::new(0),
         };
         state.add_token(&opts.token, None, 0b111);
+        if let Some(fault) = opts.listing_fault {
+            state.set_listing_fault(None, Some(fault));
+        }
+        for oversize in &opts.oversize {
+            state.set_oversize(
+                oversize.tenant,
+                oversize.resource,
+                oversize.id,
+                oversize.bytes,
+            );
+        }
         state
+    }
+
+    /// Sets or clears the listing fault of one stream, or (scope None) of every stream.
+    pub fn set_listing_fault(
+        &self,
+        scope: Option<(TenantId, Resource)>,
+        fault: Option<ListingFault>,
+    ) {
+        let mut faults = write(&self.listing_faults);
+        match fault {
+            Some(fault) => faults.insert(scope, fault),
+            None => faults.remove(&scope),
+        };
+    }
+
+    /// The listing fault in force for a stream: its own, else the global one.
+    pub fn listing_fault(&self, tenant: TenantId, resource: Resource) -> Option<ListingFault> {
+        let faults = read(&self.listing_faults);
+        if faults.is_empty() {
+            return None;
+        }
+        faults
+            .get(&Some((tenant, resource)))
+            .or_else(|| faults.get(&None))
+            .copied()
+    }
+
+    /// Pads a record to at least `bytes` of JSON (0 removes the padding); false when unknown.
+    pub fn set_oversize(
+        &self,
+        tenant: TenantId,
+        resource: Resource,
+        id: i64,
+        bytes: usize,
+    ) -> bool {
+        self.tenant(tenant)
+            .is_some_and(|data| write(data).set_oversize(resource, id, bytes))
+    }
+
+    /// A copy of a record's typed value.
+    pub fn snapshot(&self, tenant: TenantId, resource: Resource, id: i64) -> Option<RecordValue> {
+        read(self.tenant(tenant)?).snapshot(resource, id)
+    }
+
+    /// Puts a snapshot back (re-creating the record when deleted); with
+    /// `bump` its `updated_at` becomes a fresh mutation time.
+    pub fn restore(&self, tenant: TenantId, value: &RecordValue, bump: bool) -> bool {
+        let Some(data) = self.tenant(tenant) else {
+            return false;
+        };
+        let mut data = write(data);
+        let at = bump.then(|| self.clock.mutation_time());
+        data.restore(value, at);
+        true
     }
 
     /// Number of tenants.

@@ -159,6 +159,8 @@ pub struct TenantData {
     pub next_variant_id: i64,
     /// Content revision counter, makes every update a real change.
     pub revision: u64,
+    /// Records padded to at least this many bytes of JSON (see [`TenantData::set_oversize`]).
+    pub oversize: HashMap<(Resource, i64), usize>,
 }
 
 fn to_bytes<T: serde::Serialize>(value: &T) -> Bytes {
@@ -206,9 +208,10 @@ impl TenantData {
             next_category_id: categories as i64 + 1,
             next_variant_id,
             revision: 0,
+            oversize: HashMap::new(),
         };
         for value in voucher_values {
-            let rendered = render_voucher(&value);
+            let rendered = tenant_data.render_voucher(&value);
             tenant_data.vouchers.put(value.id, value, rendered);
         }
         for value in category_values {
@@ -243,13 +246,22 @@ impl TenantData {
             })
             .collect();
         products.sort_by_key(|p| (p.sort_order, p.id));
-        let plain = CatalogCategory {
+        let mut plain = CatalogCategory {
             products: None,
             ..category.clone()
         };
+        if let Some(target) = self.oversize_target(Resource::Categories, category.id) {
+            plain.description_html = padded(plain.description_html.as_deref(), target, |d| {
+                to_bytes(&CatalogCategory {
+                    description_html: d,
+                    ..plain.clone()
+                })
+                .len()
+            });
+        }
         let full = CatalogCategory {
             products: Some(products),
-            ..category.clone()
+            ..plain.clone()
         };
         Rendered {
             forms: vec![to_bytes(&plain), to_bytes(&full)].into_boxed_slice(),
@@ -273,7 +285,7 @@ impl TenantData {
         if let Some(old) = self.vouchers.get(value.id) {
             touched.extend(old.category_refs.iter().map(|r| r.id));
         }
-        let rendered = render_voucher(&value);
+        let rendered = self.render_voucher(&value);
         self.vouchers.put(value.id, value, rendered);
         touched.sort_unstable();
         touched.dedup();
@@ -304,7 +316,7 @@ impl TenantData {
             {
                 *r = reference.clone();
             }
-            let rendered = render_voucher(&voucher);
+            let rendered = self.render_voucher(&voucher);
             self.vouchers.put(voucher.id, voucher, rendered);
         }
     }
@@ -334,7 +346,7 @@ impl TenantData {
                     .collect();
                 for mut voucher in linked {
                     voucher.category_refs.retain(|r| r.id != id);
-                    let rendered = render_voucher(&voucher);
+                    let rendered = self.render_voucher(&voucher);
                     self.vouchers.put(voucher.id, voucher, rendered);
                 }
                 true
@@ -443,7 +455,7 @@ impl TenantData {
                     return false;
                 };
                 value.updated_at = at;
-                let rendered = render_voucher(&value);
+                let rendered = self.render_voucher(&value);
                 self.vouchers.put(id, value, rendered);
                 true
             }
@@ -499,8 +511,160 @@ impl TenantData {
     }
 }
 
-/// Renders a voucher in its four forms (bit 0 categories, bit 1 variants).
-pub fn render_voucher(voucher: &CatalogVoucher) -> Rendered {
+/// Filler of oversize records: plain ASCII, nothing JSON must escape.
+const FILLER: &str = "Oversize padding for sink payload limits. ";
+
+/// `description` padded so that `len_with` (the JSON length of the record
+/// carrying the returned description) is at least `target`; the padding is a
+/// pure function of the unpadded record, so re-rendering never changes it.
+fn padded(
+    description: Option<&str>,
+    target: usize,
+    len_with: impl Fn(Option<String>) -> usize,
+) -> Option<String> {
+    let base = description.unwrap_or("").to_string();
+    let mut candidate = description.map(str::to_string);
+    let mut filler_len = 0usize;
+    // Each round adds the shortfall; two rounds suffice (null -> string costs 2 bytes at most).
+    for _ in 0..4 {
+        let len = len_with(candidate.clone());
+        if len >= target {
+            break;
+        }
+        filler_len += target - len;
+        let filler: String = FILLER.chars().cycle().take(filler_len).collect();
+        candidate = Some(format!("{base}{filler}"));
+    }
+    candidate
+}
+
+impl TenantData {
+    /// The oversize target of a record, when one is set.
+    fn oversize_target(&self, resource: Resource, id: i64) -> Option<usize> {
+        self.oversize.get(&(resource, id)).copied()
+    }
+
+    /// Renders a voucher in its four forms, padded when it is oversize.
+    pub fn render_voucher(&self, voucher: &CatalogVoucher) -> Rendered {
+        match self.oversize_target(Resource::Vouchers, voucher.id) {
+            None => render_voucher(voucher),
+            Some(target) => {
+                let plain = |description: Option<String>| {
+                    to_bytes(&CatalogVoucher {
+                        description_html: description,
+                        categories: None,
+                        variants: None,
+                        ..voucher.clone()
+                    })
+                    .len()
+                };
+                let value = CatalogVoucher {
+                    description_html: padded(voucher.description_html.as_deref(), target, plain),
+                    ..voucher.clone()
+                };
+                render_voucher(&value)
+            }
+        }
+    }
+
+    /// Pads a record's `description_html` so that its JSON (in every include
+    /// form) is at least `bytes` long, now and after later changes; 0 removes
+    /// the padding. False when the record does not exist.
+    pub fn set_oversize(&mut self, resource: Resource, id: i64, bytes: usize) -> bool {
+        if bytes == 0 {
+            self.oversize.remove(&(resource, id));
+        } else {
+            self.oversize.insert((resource, id), bytes);
+        }
+        match resource {
+            Resource::Vouchers => {
+                let Some(value) = self.vouchers.get(id).cloned() else {
+                    return false;
+                };
+                let rendered = self.render_voucher(&value);
+                self.vouchers.put(id, value, rendered);
+                true
+            }
+            Resource::Categories => {
+                let Some(value) = self.categories.get(id).cloned() else {
+                    return false;
+                };
+                let rendered = self.render_category(&value);
+                self.categories.put(id, value, rendered);
+                true
+            }
+        }
+    }
+
+    /// A copy of a record's typed value, for [`TenantData::restore`].
+    pub fn snapshot(&self, resource: Resource, id: i64) -> Option<RecordValue> {
+        match resource {
+            Resource::Vouchers => self
+                .vouchers
+                .get(id)
+                .cloned()
+                .map(|v| RecordValue::Voucher(Box::new(v))),
+            Resource::Categories => self
+                .categories
+                .get(id)
+                .cloned()
+                .map(|c| RecordValue::Category(Box::new(c))),
+        }
+    }
+
+    /// Puts a snapshot back: the record gets exactly that content again (and
+    /// `updated_at`, unless `at` replaces it), re-created when it was deleted.
+    pub fn restore(&mut self, value: &RecordValue, at: Option<DateTime<Utc>>) {
+        match value {
+            RecordValue::Voucher(voucher) => {
+                let mut voucher = CatalogVoucher::clone(voucher);
+                if at.is_some() {
+                    voucher.updated_at = at;
+                }
+                self.next_voucher_id = self.next_voucher_id.max(voucher.id.saturating_add(1));
+                self.put_voucher(voucher);
+            }
+            RecordValue::Category(category) => {
+                let mut category = CatalogCategory::clone(category);
+                if at.is_some() {
+                    category.updated_at = at;
+                }
+                self.next_category_id = self.next_category_id.max(category.id.saturating_add(1));
+                self.put_category(category);
+            }
+        }
+    }
+}
+
+/// A record's typed value (the simulator's source of truth for its JSON).
+#[derive(Debug, Clone, PartialEq)]
+pub enum RecordValue {
+    /// A catalog voucher.
+    Voucher(Box<CatalogVoucher>),
+    /// A catalog category.
+    Category(Box<CatalogCategory>),
+}
+
+impl RecordValue {
+    /// The resource the record belongs to.
+    pub fn resource(&self) -> Resource {
+        match self {
+            RecordValue::Voucher(_) => Resource::Vouchers,
+            RecordValue::Category(_) => Resource::Categories,
+        }
+    }
+
+    /// The record id.
+    pub fn id(&self) -> i64 {
+        match self {
+            RecordValue::Voucher(v) => v.id,
+            RecordValue::Category(c) => c.id,
+        }
+    }
+}
+
+/// Renders a voucher in its four forms (bit 0 categories, bit 1 variants), unpadded.
+fn render_voucher(voucher: &CatalogVoucher) -> Rendered {
     let forms = (0u8..4)
         .map(|mask| {
             let form = CatalogVoucher {

@@ -1,0 +1,257 @@
+//! The dangerous moments of a sweep, reached on purpose (issue 12): for each
+//! named crash point (src/crashpoint.rs) the real daemon binary runs against
+//! the in-process simulator and a real `nats-server -js` with the point
+//! armed and aborts there, as abruptly as `kill -9`. Upstream then changes
+//! the records of the interrupted page (some deleted, some reverted to the
+//! version before, one re-created with identical content after an
+//! interrupted delete), the binary restarts without the point, converges
+//! with a full sweep, and the events stored in JetStream must end exactly
+//! as upstream is: nothing lost, every chain of hashes intact, one change
+//! per event id.
+//!
+//! Random kills find these windows rarely; a crash point finds them every
+//! time. `VCDC_RELEASE_BIN` runs the release-profile binary instead of the
+//! test build (scripts/kill-test.sh sets it).
+#![cfg(feature = "crash-points")]
+
+#[path = "common/brokers.rs"]
+#[allow(dead_code)]
+mod brokers;
+#[path = "common/cdc.rs"]
+#[allow(dead_code)]
+mod cdc;
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use cdc::{
+    check_end_state, jetstream, read_stream, signal_of, tail, upstream_hashes, DaemonConfig,
+    DaemonProcess,
+};
+use voucher_cdc::crashpoint::names;
+use voucher_cdc::simulator::{RecordValue, Simulator};
+use voucher_cdc::stream::Resource;
+
+const TENANT: u64 = 1;
+const VOUCHERS: Resource = Resource::Vouchers;
+const SIGABRT: i32 = 6;
+const RUN_TIMEOUT: Duration = Duration::from_secs(90);
+
+/// One scenario's world: simulator, NATS, state directory and configs.
+struct World {
+    sim: Simulator,
+    nats: brokers::NatsServer,
+    dir: tempfile::TempDir,
+    /// Incremental sweeps (a full sweep only on first sync).
+    incremental: std::path::PathBuf,
+    /// Every sweep full.
+    full: std::path::PathBuf,
+    point: &'static str,
+}
+
+impl World {
+    async fn start(point: &'static str) -> Option<World> {
+        let nats = brokers::spawn_nats()?;
+        let sim = common::spawn_catalog(1, 80, 4).await;
+        let dir = tempfile::tempdir().unwrap();
+        let config = DaemonConfig::new(
+            &sim,
+            &nats.url(),
+            dir.path(),
+            vec![(TENANT, vec![VOUCHERS])],
+        );
+        let incremental = config.write(&dir.path().join("incremental.toml"));
+        let full = config.full_sweeps().write(&dir.path().join("full.toml"));
+        Some(World {
+            sim,
+            nats,
+            dir,
+            incremental,
+            full,
+            point,
+        })
+    }
+
+    fn logs(&self, name: &str) -> std::path::PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// `run --once` without a crash point; must exit 0.
+    fn run_clean(&self, config: &Path, step: &str) {
+        let mut daemon = DaemonProcess::spawn(config, true, None, &self.logs(step));
+        let status = daemon.wait(RUN_TIMEOUT);
+        assert!(
+            status.success(),
+            "[{}] {step}: `run --once` failed with {status}; stderr tail:\n{}",
+            self.point,
+            tail(&daemon.stderr(), 30)
+        );
+    }
+
+    /// `run --once` with the crash point armed; must abort there.
+    fn run_until_crash(&self, config: &Path) {
+        let mut daemon = DaemonProcess::spawn(config, true, Some(self.point), &self.logs("crash"));
+        let status = daemon.wait(RUN_TIMEOUT);
+        let stderr = daemon.stderr();
+        let line = format!(
+            "voucher-cdc: crash point {} reached (hit 1); aborting",
+            self.point
+        );
+        assert!(
+            stderr.contains(&line),
+            "[{}] the crash point was never reached (exit {status}; is {} built with --features crash-points?); stderr tail:\n{}",
+            self.point,
+            cdc::daemon_binary().display(),
+            tail(&stderr, 30)
+        );
+        assert_eq!(
+            signal_of(&status),
+            Some(SIGABRT),
+            "[{}] the daemon should have aborted (SIGABRT), got {status}",
+            self.point
+        );
+    }
+
+    fn snapshot(&self, id: i64) -> RecordValue {
+        self.sim
+            .snapshot(TENANT, VOUCHERS, id)
+            .expect("record exists")
+    }
+
+    /// Reads the stream back and checks the end state against upstream.
+    async fn assert_converged(&self, story: &str) {
+        let js = jetstream(&self.nats.url()).await;
+        let events = read_stream(&js).await;
+        let upstream = upstream_hashes(&self.sim, &[(TENANT, VOUCHERS)]);
+        let verdict = check_end_state(&events, &upstream);
+        assert!(
+            verdict.clean(),
+            "crash point {}: after the restart the stream does not match upstream \
+             ({} records, {} events; {story}):\n{}",
+            self.point,
+            verdict.records,
+            verdict.events,
+            verdict.report()
+        );
+    }
+}
+
+/// A crash inside an incremental sweep's page. The page holds updates of
+/// records 2..=8 and two creates; after the crash upstream deletes records
+/// 2, 3 and the first created one, reverts 4 and 5 to their version before
+/// the page (updated_at included) and 6 with a fresh updated_at, leaves 7,
+/// 8 and the second created one; a full sweep then converges.
+async fn page_scenario(point: &'static str) {
+    let Some(world) = World::start(point).await else {
+        return;
+    };
+    let sim = &world.sim;
+    world.run_clean(&world.incremental, "first-sync");
+
+    let updated: Vec<i64> = (2..=8).collect();
+    let before: Vec<RecordValue> = updated.iter().map(|id| world.snapshot(*id)).collect();
+    for id in &updated {
+        assert!(sim.update(TENANT, VOUCHERS, *id));
+    }
+    let created = [sim.create(TENANT, VOUCHERS), sim.create(TENANT, VOUCHERS)];
+
+    world.run_until_crash(&world.incremental);
+
+    for id in [2, 3, created[0]] {
+        assert!(sim.delete(TENANT, VOUCHERS, id));
+    }
+    assert!(sim.restore(TENANT, &before[2], false)); // record 4
+    assert!(sim.restore(TENANT, &before[3], false)); // record 5
+    assert!(sim.restore(TENANT, &before[4], true)); // record 6, updated_at bumped
+
+    world.run_clean(&world.full, "restart");
+    world
+        .assert_converged(&format!(
+            "interrupted page: updates of 2..=8, creates {created:?}; then deleted 2, 3, {}, \
+             reverted 4, 5 (exact) and 6 (bumped)",
+            created[0]
+        ))
+        .await;
+}
+
+/// A crash inside a full sweep's deletes. Records 10, 11 and 12 are deleted
+/// upstream and a full sweep starts deleting them; after the crash 10 comes
+/// back with identical content (updated_at included), 11 with identical
+/// content and a fresh updated_at, 12 stays deleted; a full sweep converges.
+async fn delete_scenario(point: &'static str) {
+    let Some(world) = World::start(point).await else {
+        return;
+    };
+    let sim = &world.sim;
+    world.run_clean(&world.incremental, "first-sync");
+
+    let doomed = [10, 11, 12];
+    let before: Vec<RecordValue> = doomed.iter().map(|id| world.snapshot(*id)).collect();
+    for id in doomed {
+        assert!(sim.delete(TENANT, VOUCHERS, id));
+    }
+    // A change in the same sweep, so its pages commit before the deletes.
+    assert!(sim.update(TENANT, VOUCHERS, 20));
+
+    world.run_until_crash(&world.full);
+
+    assert!(sim.restore(TENANT, &before[0], false)); // record 10, exact
+    assert!(sim.restore(TENANT, &before[1], true)); // record 11, updated_at bumped
+
+    world.run_clean(&world.full, "restart");
+    world
+        .assert_converged(
+            "interrupted deletes of 10, 11, 12 (20 updated in the same sweep); \
+             then 10 re-created identical (same updated_at), 11 identical (new updated_at), 12 gone",
+        )
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_the_intents_are_written_loses_no_change() {
+    page_scenario(names::AFTER_INTENTS).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_the_acks_before_the_commit_loses_no_change() {
+    page_scenario(names::AFTER_PUBLISH).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_right_after_the_commit_loses_no_change() {
+    page_scenario(names::AFTER_COMMIT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_the_delete_intents_are_written_loses_no_delete() {
+    delete_scenario(names::AFTER_DELETE_INTENTS).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_the_delete_acks_before_the_commit_loses_no_change() {
+    delete_scenario(names::AFTER_DELETE_PUBLISH).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_right_after_the_delete_commit_loses_no_change() {
+    delete_scenario(names::AFTER_DELETE_COMMIT).await;
+}
+
+#[test]
+fn every_crash_point_has_a_scenario() {
+    let covered = [
+        names::AFTER_INTENTS,
+        names::AFTER_PUBLISH,
+        names::AFTER_COMMIT,
+        names::AFTER_DELETE_INTENTS,
+        names::AFTER_DELETE_PUBLISH,
+        names::AFTER_DELETE_COMMIT,
+    ];
+    for name in names::ALL {
+        assert!(
+            covered.contains(&name),
+            "crash point {name} has no scenario in tests/crash_points.rs"
+        );
+    }
+}
