@@ -891,3 +891,249 @@ async fn a_record_deleted_and_listed_again_gets_a_new_generation_and_a_new_id() 
     assert_eq!(stored.generation, committed.generation + 1);
     assert!(h.store.pending_intents(stream).unwrap().is_empty());
 }
+
+#[tokio::test]
+async fn a_cursor_cycle_or_an_endless_listing_fails_the_sweep_and_keeps_the_watermark() {
+    use voucher_cdc::simulator::ListingFault;
+    for fault in [ListingFault::CursorCycle, ListingFault::Endless] {
+        let h = spawn_harness(1, 120, 2).await;
+        let stream = StreamKey::new(1, V);
+        h.sweep(1, V, SweepKind::Incremental).await;
+        let watermark = h.store.load_stream(stream).unwrap().watermark;
+        h.sim.set_listing_fault(Some(fault));
+        let mut settings = h.settings.clone();
+        settings.max_pages_floor = 20;
+        let sweeper = Sweeper {
+            settings: Arc::new(settings),
+            ..h.sweeper(stream)
+        };
+        h.sim.clear_request_log();
+        let err = tokio::time::timeout(Duration::from_secs(60), sweeper.run(SweepKind::Full))
+            .await
+            .expect("the sweep ends")
+            .unwrap_err();
+        let message = err.to_string();
+        assert!(
+            message.contains("/tenants/1/catalog/vouchers does not end")
+                && message.contains("pages"),
+            "{fault:?}: {message}"
+        );
+        let pages = h.sim.request_log().len();
+        assert!(pages <= 120, "{fault:?}: {pages} requests before giving up");
+        let state = h.store.load_stream(stream).unwrap();
+        assert_eq!(state.watermark, watermark, "{fault:?}: the watermark moved");
+        assert!(state.last_error.unwrap().contains("does not end"));
+    }
+}
+
+#[tokio::test]
+async fn a_revert_after_an_unacknowledged_page_is_published_against_the_version_downstream_saw() {
+    let mut h = spawn_harness(1, 30, 0).await;
+    let stream = StreamKey::new(1, V);
+    h.sweep(1, V, SweepKind::Incremental).await;
+    let ids = h.sim.record_ids(1, V);
+    let (reverting, poison) = (ids[3], ids[4]);
+    let before = h.sim.snapshot(1, V, reverting).unwrap();
+    let committed_hash = h.hash_of(1, V, reverting);
+    h.sim.update(1, V, reverting);
+    h.sim.update(1, V, poison);
+    // The poison event is rejected: the page's other events were acked, nothing commits.
+    let poison_subject = poison.to_string();
+    h.sink.set_mode(FaultMode::Reject {
+        target: voucher_cdc::sinks::testing::RejectTarget::Matching(Arc::new(move |e| {
+            e.partition_key.ends_with(&format!(":{poison_subject}"))
+        })),
+        error: voucher_cdc::sinks::SinkError::Fatal("rejected".into()),
+    });
+    h.sink.take();
+    assert!(h.sweeper(stream).run(SweepKind::Incremental).await.is_err());
+    let seen: Vec<Value> = h.sink.take().iter().map(json).collect();
+    let published = seen
+        .iter()
+        .find(|e| subject_is(e, reverting))
+        .unwrap()
+        .clone();
+    assert_eq!(published["previoushash"], committed_hash.as_str());
+    h.sink.set_mode(FaultMode::Normal);
+    h.reopen();
+
+    // Upstream reverts to the committed content: downstream holds the update.
+    assert!(h.sim.restore(1, &before, true));
+    let events = h.sweep(1, V, SweepKind::Incremental).await;
+    let revert = events
+        .iter()
+        .find(|e| subject_is(e, reverting))
+        .expect("the revert is published");
+    assert_eq!(revert["op"], "update");
+    assert_eq!(revert["contenthash"], committed_hash.as_str());
+    assert_eq!(revert["previoushash"], published["contenthash"]);
+    assert_ne!(revert["id"], published["id"]);
+    assert!(h.store.pending_intents(stream).unwrap().is_empty());
+    assert!(h.sweep(1, V, SweepKind::Full).await.is_empty());
+}
+
+#[tokio::test]
+async fn content_flipping_back_and_forth_without_an_updated_at_bump_gets_a_new_id_every_time() {
+    let h = spawn_harness(1, 10, 0).await;
+    h.sweep(1, V, SweepKind::Incremental).await;
+    let id = h.sim.record_ids(1, V)[2];
+    let a = h.sim.snapshot(1, V, id).unwrap();
+    h.sim.update_silently(1, V, id);
+    let b = h.sim.snapshot(1, V, id).unwrap();
+    let mut ids = HashSet::new();
+    let mut hashes = Vec::new();
+    for version in [&b, &a, &b, &a] {
+        assert!(h.sim.restore(1, version, false));
+        let events = h.sweep(1, V, SweepKind::Full).await;
+        assert_eq!(events.len(), 1, "every flip is published: {events:?}");
+        assert_eq!(events[0]["op"], "update");
+        assert!(
+            ids.insert(events[0]["id"].as_str().unwrap().to_string()),
+            "a flip reused an earlier id: {}",
+            events[0]
+        );
+        hashes.push(events[0]["contenthash"].clone());
+    }
+    assert_eq!(hashes[0], hashes[2]);
+    assert_eq!(hashes[1], hashes[3]);
+}
+
+/// A store that restores a record upstream right before the full sweep looks
+/// for unseen records: the listing missed it, the confirming GET finds it.
+struct RestoreBeforeDeletes {
+    inner: Arc<dyn StateStore>,
+    sim: Arc<Simulator>,
+    snapshot: voucher_cdc::simulator::RecordValue,
+}
+
+impl StateStore for RestoreBeforeDeletes {
+    fn load_stream(&self, key: StreamKey) -> Result<StreamState, StateError> {
+        self.inner.load_stream(key)
+    }
+    fn save_stream(&self, key: StreamKey, state: &StreamState) -> Result<(), StateError> {
+        self.inner.save_stream(key, state)
+    }
+    fn streams(&self) -> Result<Vec<(StreamKey, StreamState)>, StateError> {
+        self.inner.streams()
+    }
+    fn get_records(
+        &self,
+        key: StreamKey,
+        ids: &[i64],
+    ) -> Result<Vec<Option<RecordState>>, StateError> {
+        self.inner.get_records(key, ids)
+    }
+    fn get_tombstones(
+        &self,
+        key: StreamKey,
+        ids: &[i64],
+    ) -> Result<Vec<Option<Tombstone>>, StateError> {
+        self.inner.get_tombstones(key, ids)
+    }
+    fn write_intents(&self, key: StreamKey, intents: &[(i64, Intent)]) -> Result<(), StateError> {
+        self.inner.write_intents(key, intents)
+    }
+    fn pending_intents(&self, key: StreamKey) -> Result<Vec<(i64, Intent)>, StateError> {
+        self.inner.pending_intents(key)
+    }
+    fn commit_page(
+        &self,
+        key: StreamKey,
+        commits: &[(i64, RecordState)],
+        seen: &[i64],
+        epoch: u64,
+    ) -> Result<(), StateError> {
+        self.inner.commit_page(key, commits, seen, epoch)
+    }
+    fn unseen_records(
+        &self,
+        key: StreamKey,
+        epoch: u64,
+    ) -> Result<Vec<(i64, RecordState)>, StateError> {
+        assert!(self.sim.restore(key.tenant, &self.snapshot, false));
+        self.inner.unseen_records(key, epoch)
+    }
+    fn record_count(&self, key: StreamKey) -> Result<u64, StateError> {
+        self.inner.record_count(key)
+    }
+    fn commit_deletes(
+        &self,
+        key: StreamKey,
+        deletes: &[(i64, Tombstone)],
+    ) -> Result<(), StateError> {
+        self.inner.commit_deletes(key, deletes)
+    }
+    fn flush(&self) -> Result<(), StateError> {
+        self.inner.flush()
+    }
+}
+
+#[tokio::test]
+async fn a_record_missing_from_the_listing_but_found_by_its_get_is_not_deleted() {
+    let h = spawn_harness(1, 10, 0).await;
+    let stream = StreamKey::new(1, V);
+    h.sweep(1, V, SweepKind::Incremental).await;
+    let ids = h.sim.record_ids(1, V);
+    let (skipped, gone) = (ids[1], ids[6]);
+    let snapshot = h.sim.snapshot(1, V, skipped).unwrap();
+    h.sim.delete(1, V, skipped);
+    h.sim.delete(1, V, gone);
+    let store: Arc<dyn StateStore> = Arc::new(RestoreBeforeDeletes {
+        inner: h.store.clone(),
+        sim: h.sim.clone(),
+        snapshot,
+    });
+    h.sink.take();
+    h.sweeper_with(stream, store)
+        .run(SweepKind::Full)
+        .await
+        .unwrap();
+    let events: Vec<Value> = h.sink.take().iter().map(json).collect();
+    assert_eq!(subjects(&events), vec![gone], "{events:?}");
+    assert_eq!(events[0]["op"], "delete");
+    assert!(h.store.get_records(stream, &[skipped]).unwrap()[0].is_some());
+    // The GET's answer counted as seen: the next full sweep does not try again.
+    assert!(h.sweep(1, V, SweepKind::Full).await.is_empty());
+}
+
+#[tokio::test]
+async fn a_delete_whose_commit_was_lost_and_whose_record_comes_back_identical_is_re_created() {
+    let mut h = spawn_harness(1, 10, 0).await;
+    let stream = StreamKey::new(1, V);
+    let first = h.sweep(1, V, SweepKind::Incremental).await;
+    let id = h.sim.record_ids(1, V)[5];
+    let snapshot = h.sim.snapshot(1, V, id).unwrap();
+    h.sim.delete(1, V, id);
+    // The delete is acked; its commit is lost. Mutating calls: save_stream,
+    // commit_page (seen epochs), write_intents (the delete), commit_deletes.
+    let crashing: Arc<dyn StateStore> = Arc::new(CrashingStore {
+        inner: h.store.clone(),
+        fail_at: 4,
+        calls: AtomicUsize::new(0),
+    });
+    h.sink.take();
+    assert!(h
+        .sweeper_with(stream, crashing)
+        .run(SweepKind::Full)
+        .await
+        .is_err());
+    let deleted: Vec<Value> = h.sink.take().iter().map(json).collect();
+    assert_eq!(subjects(&deleted), vec![id]);
+    assert_eq!(deleted[0]["op"], "delete");
+    h.reopen();
+    assert!(
+        h.store.get_records(stream, &[id]).unwrap()[0].is_some(),
+        "the delete commit was lost"
+    );
+
+    // The record comes back exactly as it was, same updated_at.
+    assert!(h.sim.restore(1, &snapshot, false));
+    let events = h.sweep(1, V, SweepKind::Full).await;
+    assert_eq!(subjects(&events), vec![id], "{events:?}");
+    assert_eq!(events[0]["op"], "create");
+    let original = first.iter().find(|e| subject_is(e, id)).unwrap();
+    assert_eq!(events[0]["contenthash"], original["contenthash"]);
+    assert_ne!(events[0]["id"], original["id"]);
+    assert!(h.store.pending_intents(stream).unwrap().is_empty());
+    assert!(h.sweep(1, V, SweepKind::Full).await.is_empty());
+}
