@@ -262,8 +262,9 @@ impl StreamRunner {
                     warn!(tenant = key.tenant, resource = %key.resource, error = %e, "cannot save the parked state");
                 }
                 warn!(tenant = key.tenant, resource = %key.resource, error = %reason,
-                    recheck_in = %humantime::format_duration(self.timing.park_recheck_interval),
-                    "stream parked; the other streams go on");
+                    recheck_in = %telemetry::human_duration(self.timing.park_recheck_interval),
+                    "stream parked; the other streams go on (a running daemon rechecks it after \
+                     recheck_in; `run --once` does not recheck and exits 1)");
                 StepOutcome::Parked(reason)
             }
             Err(e) => StepOutcome::Failed(e.to_string()),

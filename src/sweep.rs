@@ -752,8 +752,8 @@ impl Sweeper {
                 Ok(acks) => acks,
                 Err(_) => vec![
                     Err(SinkError::Retriable(format!(
-                        "no acknowledgement within {:?}",
-                        self.settings.publish_timeout
+                        "no acknowledgement within {}",
+                        crate::telemetry::human_duration(self.settings.publish_timeout)
                     )));
                     batch.len()
                 ],

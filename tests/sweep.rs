@@ -1137,3 +1137,66 @@ async fn a_delete_whose_commit_was_lost_and_whose_record_comes_back_identical_is
     assert!(h.store.pending_intents(stream).unwrap().is_empty());
     assert!(h.sweep(1, V, SweepKind::Full).await.is_empty());
 }
+
+#[tokio::test]
+async fn the_delete_guard_allows_exactly_the_configured_fraction_and_refuses_one_more() {
+    for (deleted, refused) in [(20usize, false), (21, true)] {
+        let h = spawn_harness(1, 40, 0).await;
+        let stream = StreamKey::new(1, V);
+        h.sweep(1, V, SweepKind::Incremental).await;
+        for id in h.sim.record_ids(1, V).into_iter().take(deleted) {
+            h.sim.delete(1, V, id);
+        }
+        h.sink.take();
+        let result = h.sweeper(stream).run(SweepKind::Full).await;
+        let events: Vec<Value> = h.sink.take().iter().map(json).collect();
+        if refused {
+            assert!(
+                matches!(
+                    result,
+                    Err(SweepError::DeleteGuard {
+                        would_delete: 21,
+                        known: 40,
+                        ..
+                    })
+                ),
+                "{result:?}"
+            );
+            assert!(events.is_empty());
+        } else {
+            result.expect("exactly half may go");
+            assert_eq!(events.iter().filter(|e| e["op"] == "delete").count(), 20);
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_first_sync_resumed_after_most_of_its_records_vanished_deletes_them_unguarded() {
+    let h = spawn_harness(1, 120, 0).await;
+    let stream = StreamKey::new(1, V);
+    // The first sync stops after its first page (shutdown).
+    let sweeper = h.sweeper(stream);
+    sweeper.shutdown.cancel();
+    h.sink.take();
+    assert!(matches!(
+        sweeper.run(SweepKind::Incremental).await,
+        Err(SweepError::Interrupted)
+    ));
+    let first_page: Vec<Value> = h.sink.take().iter().map(json).collect();
+    assert_eq!(h.store.record_count(stream).unwrap(), 50);
+    assert!(h.store.load_stream(stream).unwrap().watermark.is_none());
+    // 45 of the 50 committed records go before the first sync resumes.
+    let gone: Vec<i64> = subjects(&first_page).into_iter().take(45).collect();
+    for id in &gone {
+        h.sim.delete(1, V, *id);
+    }
+    let events = h.sweep(1, V, SweepKind::Incremental).await;
+    let deletes = events.iter().filter(|e| e["op"] == "delete").count();
+    assert_eq!(deletes, 45, "the first sync is not guarded");
+    assert!(events
+        .iter()
+        .filter(|e| e["op"] != "delete")
+        .all(|e| e["op"] == "snapshot"));
+    assert_eq!(h.store.record_count(stream).unwrap(), 75);
+    assert!(h.store.load_stream(stream).unwrap().watermark.is_some());
+}

@@ -400,7 +400,7 @@ impl UpstreamClient {
                 path = %call.path,
                 attempt,
                 reason,
-                backoff = %humantime::format_duration(wait),
+                backoff = %crate::telemetry::human_duration(wait),
                 error = %err,
                 "upstream request failed; retrying"
             );
