@@ -7,6 +7,7 @@
 //! cargo bench --bench engine -- --footprint  # disk bytes per record and RSS
 //! cargo bench --bench engine -- --footprint 1000000,3000000
 //! cargo bench --bench engine -- --cpu        # records per CPU-second (shared machines)
+//! cargo bench --bench engine -- --durability # wall-clock cost of the fsynced intents per page
 //! ```
 
 use std::path::Path;
@@ -417,8 +418,98 @@ fn cpu_rates(n: usize) {
     }
 }
 
+/// Wall-clock latency of the durable steps of a first sync of `n` records:
+/// `write_intents` (which fsyncs before returning, so no event can reach the
+/// sink before its intent is on disk) and `commit_page` (flushed by sled
+/// later), per page of 50.
+fn durability(n: usize) {
+    let bodies = bodies();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = SledStore::open(&dir.path().join("state")).expect("open");
+    let ignore = IgnoreKeys::default();
+    let ids: Vec<i64> = (0..n as i64).collect();
+    let mut intents_us = Vec::new();
+    let mut commit_us = Vec::new();
+    let started = Instant::now();
+    for page in ids.chunks(PAGE) {
+        let texts: Vec<&str> = page
+            .iter()
+            .map(|&id| bodies[id as usize % BODIES][0].as_str())
+            .collect();
+        let hashes: Vec<_> = texts
+            .iter()
+            .map(|t| content_hash(t, &ignore).expect("generated json is valid"))
+            .collect();
+        let intents: Vec<(i64, Intent)> = page
+            .iter()
+            .zip(&hashes)
+            .map(|(&id, &hash)| {
+                (
+                    id,
+                    Intent {
+                        hash,
+                        updated_at: Some(1_714_557_600_000_000),
+                        generation: 0,
+                        seq: 1,
+                        op: Some(voucher_cdc::event::Op::Snapshot),
+                        previous: None,
+                        replay: None,
+                    },
+                )
+            })
+            .collect();
+        let commits: Vec<(i64, RecordState)> = intents
+            .iter()
+            .map(|(id, i)| {
+                (
+                    *id,
+                    RecordState {
+                        hash: i.hash,
+                        updated_at: i.updated_at,
+                        seen_epoch: 1,
+                        generation: 0,
+                        seq: 1,
+                    },
+                )
+            })
+            .collect();
+        let t = Instant::now();
+        store.write_intents(STREAM, &intents).expect("write_intents");
+        intents_us.push(t.elapsed().as_micros() as u64);
+        let t = Instant::now();
+        store
+            .commit_page(STREAM, &commits, &[], 1)
+            .expect("commit_page");
+        commit_us.push(t.elapsed().as_micros() as u64);
+    }
+    let wall = started.elapsed().as_secs_f64();
+    let summary = |name: &str, v: &mut Vec<u64>| {
+        v.sort_unstable();
+        let mean = v.iter().sum::<u64>() as f64 / v.len().max(1) as f64;
+        let pct = |p: f64| v[((v.len() as f64 - 1.0) * p) as usize];
+        println!(
+            "{name:<28} mean {mean:>8.0} µs  p50 {:>6} µs  p99 {:>6} µs  max {:>6} µs",
+            pct(0.5),
+            pct(0.99),
+            v.last().copied().unwrap_or(0)
+        );
+    };
+    println!("durability: {n} records, {} pages of {PAGE}", n.div_ceil(PAGE));
+    summary("write_intents (fsync)", &mut intents_us);
+    summary("commit_page (no fsync)", &mut commit_us);
+    println!(
+        "pages/s {:.0}, records/s {:.0} (hashing, intents and commits only)",
+        (n.div_ceil(PAGE)) as f64 / wall,
+        n as f64 / wall
+    );
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|a| a == "--durability") {
+        durability(20_000);
+        return;
+    }
     if args.iter().any(|a| a == "--cpu") {
         cpu_rates(100_000);
         return;

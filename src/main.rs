@@ -28,5 +28,13 @@ fn main() -> ExitCode {
         }
     };
     let code = runtime.block_on(cli::run(cli));
-    ExitCode::from(code)
+    // Everything is flushed by now (state store, sink, stdout). Exit without
+    // tearing the runtime down: worker threads running their thread-local
+    // destructors during teardown can abort the process (seen as a rare
+    // "thread local panicked on drop" from sled's epoch GC after SIGTERM),
+    // which would turn a clean stop into a crash exit code.
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    std::process::exit(i32::from(code))
 }
