@@ -24,53 +24,14 @@ const V: Resource = Resource::Vouchers;
 const C: Resource = Resource::Categories;
 const WAIT: Duration = Duration::from_secs(30);
 
-/// (tenant, resource, record id).
-type Key = (u64, String, i64);
-
 /// What a downstream consumer holds after applying every record event in order.
-fn downstream(events: &[Value], tenants: &[u64]) -> BTreeMap<Key, Value> {
-    let mut view = BTreeMap::new();
-    for e in events {
-        let ty = e["type"].as_str().unwrap();
-        if ty.starts_with("replay.") {
-            continue;
-        }
-        let tenant = e["tenant"].as_u64().unwrap();
-        if !tenants.contains(&tenant) {
-            continue;
-        }
-        let resource = e["source"]
-            .as_str()
-            .unwrap()
-            .rsplit('/')
-            .next()
-            .unwrap()
-            .to_string();
-        let id: i64 = e["subject"].as_str().unwrap().parse().unwrap();
-        if e["op"] == "delete" {
-            view.remove(&(tenant, resource, id));
-        } else {
-            view.insert((tenant, resource, id), e["data"].clone());
-        }
-    }
-    view
+fn downstream(events: &[Value], tenants: &[u64]) -> BTreeMap<common::RecordKey, Value> {
+    common::consumer_view(events, tenants)
 }
 
 /// What the simulator holds.
-fn upstream(sim: &Simulator, tenants: &[u64]) -> BTreeMap<Key, Value> {
-    let mut view = BTreeMap::new();
-    for &tenant in tenants {
-        for resource in [V, C] {
-            for id in sim.record_ids(tenant, resource) {
-                let json = sim.record_json(tenant, resource, id, true).unwrap();
-                view.insert(
-                    (tenant, resource.as_str().to_string(), id),
-                    serde_json::from_str(&json).unwrap(),
-                );
-            }
-        }
-    }
-    view
+fn upstream(sim: &Simulator, tenants: &[u64]) -> BTreeMap<common::RecordKey, Value> {
+    common::api_view(sim, tenants)
 }
 
 fn assert_ids_unique(events: &[Value]) {
@@ -88,6 +49,31 @@ async fn get_json(url: &str) -> (u16, Value) {
     let response = reqwest::get(url).await.unwrap();
     let status = response.status().as_u16();
     (status, response.json().await.unwrap())
+}
+
+/// Waits until every stream of the daemon at `admin` finished a full sweep
+/// after `since` (per `/v1/status`); called twice in a row, at least one
+/// whole full sweep of every stream ran between the calls.
+async fn wait_for_full_sweeps_after(admin: &str, since: chrono::DateTime<chrono::Utc>) {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let (_, status) = get_json(&format!("{admin}/v1/status")).await;
+        let status: StatusReport = serde_json::from_value(status).unwrap();
+        let behind: Vec<String> = status
+            .streams
+            .iter()
+            .filter(|s| s.last_full_sweep_finished.is_none_or(|f| f <= since))
+            .map(|s| format!("{}/{}", s.tenant, s.resource.as_str()))
+            .collect();
+        if behind.is_empty() {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no full sweep after {since} within {WAIT:?} for {behind:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// A simulator with `sim_tenants` tenants and a daemon streaming `tenants`,
@@ -175,8 +161,11 @@ async fn events_flow_and_a_restart_on_the_same_state_continues_without_duplicate
         downstream(&daemon.events(), &tenants) == upstream(&sim, &tenants)
     })
     .await;
-    // Let a few more incremental and full sweeps run over unchanged data.
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    // At least one more whole full sweep (and the incremental ones around it)
+    // of every stream over unchanged data, seen in the status, not guessed by a sleep.
+    for _ in 0..2 {
+        wait_for_full_sweeps_after(&daemon.admin_url, chrono::Utc::now()).await;
+    }
     daemon.stop().await;
 
     let events = daemon.events();
@@ -263,7 +252,8 @@ async fn a_stream_refused_access_is_parked_and_visible_while_the_others_go_on_th
     })
     .await;
     let mut parked = Vec::new();
-    for _ in 0..200 {
+    let deadline = std::time::Instant::now() + WAIT;
+    while std::time::Instant::now() < deadline {
         let (_, status) = get_json(&format!("{admin}/v1/status")).await;
         let status: StatusReport = serde_json::from_value(status).unwrap();
         parked = status
@@ -330,7 +320,8 @@ async fn a_stream_refused_access_is_parked_and_visible_while_the_others_go_on_th
     })
     .await;
     let mut ready_code = 0;
-    for _ in 0..100 {
+    let deadline = std::time::Instant::now() + WAIT;
+    while std::time::Instant::now() < deadline {
         ready_code = get_json(&format!("{admin}/readyz")).await.0;
         if ready_code == 200 {
             break;
@@ -361,7 +352,9 @@ async fn a_stop_is_bounded_when_the_sink_never_acknowledges_and_loses_nothing() 
     let started = std::time::Instant::now();
     daemon.stop().await;
     let took = started.elapsed();
-    assert!(took < Duration::from_secs(5), "stop took {took:?}");
+    // Bounded by shutdown_timeout (1s), not by the sink that never acks; the
+    // loose bound leaves a busy machine room to close the store.
+    assert!(took < Duration::from_secs(15), "stop took {took:?}");
     assert!(stuck.events().is_empty());
 
     // Nothing was acknowledged, so nothing was committed: the next run snapshots everything.

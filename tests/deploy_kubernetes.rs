@@ -5,6 +5,9 @@
 //! Secret mounts written to a temp dir with their paths rewritten), and the
 //! container's own command line runs as `check-config` with it: exit 0.
 
+#[path = "common/brokers.rs"]
+#[allow(dead_code)]
+mod brokers;
 mod common;
 
 use std::collections::BTreeMap;
@@ -15,7 +18,8 @@ use base64::Engine;
 use serde_json::Value;
 
 /// The rendered kustomization as JSON objects, or None when kubectl or
-/// PyYAML is missing (scripts/test.sh installs both).
+/// PyYAML is missing outside scripts/test.sh (which installs both, and under
+/// which a missing one fails the test).
 fn rendered_objects() -> Option<Vec<Value>> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/kubernetes");
     let rendered = match Command::new("kubectl").arg("kustomize").arg(&dir).output() {
@@ -24,12 +28,15 @@ fn rendered_objects() -> Option<Vec<Value>> {
             "kubectl kustomize failed: {}",
             String::from_utf8_lossy(&out.stderr)
         ),
-        Err(_) => {
-            eprintln!("skipped: kubectl is not installed (scripts/test.sh installs it)");
+        Err(e) => {
+            brokers::skip_or_fail(
+                "deploy_kubernetes",
+                &format!("kubectl cannot run ({e}); scripts/test.sh installs it"),
+            );
             return None;
         }
     };
-    let mut python = Command::new("python3")
+    let python = Command::new("python3")
         .args([
             "-c",
             "import json, sys, yaml; json.dump([d for d in yaml.safe_load_all(sys.stdin) if d], sys.stdout)",
@@ -37,14 +44,24 @@ fn rendered_objects() -> Option<Vec<Value>> {
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .spawn()
-        .ok()?;
+        .spawn();
+    let mut python = match python {
+        Ok(child) => child,
+        Err(e) => {
+            brokers::skip_or_fail("deploy_kubernetes", &format!("python3 cannot run ({e})"));
+            return None;
+        }
+    };
     std::io::Write::write_all(&mut python.stdin.take().unwrap(), &rendered).unwrap();
     let out = python.wait_with_output().unwrap();
     if !out.status.success() {
-        eprintln!(
-            "skipped: python3 with PyYAML is needed to read the manifests: {}",
-            String::from_utf8_lossy(&out.stderr)
+        brokers::skip_or_fail(
+            "deploy_kubernetes",
+            &format!(
+                "python3 with PyYAML is needed to read the manifests \
+                 (scripts/test.sh installs python3-yaml): {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
         );
         return None;
     }

@@ -10,6 +10,7 @@ mod common;
 mod brokers;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -25,6 +26,34 @@ use voucher_cdc::stream::{Resource, StreamKey};
 use voucher_cdc::sweep::{SweepKind, SweepSettings, Sweeper};
 
 const TENANT: u64 = 1;
+
+/// A sink that counts the events its inner sink failed to acknowledge.
+struct CountingFailures {
+    inner: Arc<dyn Sink>,
+    failed: Arc<AtomicUsize>,
+}
+
+#[async_trait::async_trait]
+impl Sink for CountingFailures {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    async fn publish(&self, events: &[voucher_cdc::event::Event]) -> Vec<voucher_cdc::sinks::Ack> {
+        let acks = self.inner.publish(events).await;
+        let failed = acks.iter().filter(|a| a.is_err()).count();
+        self.failed.fetch_add(failed, Ordering::SeqCst);
+        acks
+    }
+
+    async fn health(&self) -> Result<(), voucher_cdc::sinks::SinkError> {
+        self.inner.health().await
+    }
+
+    async fn flush(&self) -> Result<(), voucher_cdc::sinks::SinkError> {
+        self.inner.flush().await
+    }
+}
 
 fn sweeper(
     sim: &Simulator,
@@ -192,18 +221,30 @@ async fn a_nats_server_killed_mid_sweep_and_restarted_loses_nothing() {
         .await
         .unwrap(),
     );
+    let failed = Arc::new(AtomicUsize::new(0));
+    let sink: Arc<dyn Sink> = Arc::new(CountingFailures {
+        inner: sink,
+        failed: failed.clone(),
+    });
     let mut sweeper = sweeper(&sim, store.clone(), sink, Resource::Vouchers);
-    // After the second committed page, the server dies; it comes back 1.5 s later.
+    // After the second committed page, the server dies; it comes back once the
+    // sweep's publishes have failed against it (the outage was hit, for sure).
     let killed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     {
         let nats = nats.clone();
         let killed = killed.clone();
+        let failed = failed.clone();
         sweeper.progress = Some(Arc::new(move |_, _, pages| {
-            if pages == 2 && !killed.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            if pages == 2 && !killed.swap(true, Ordering::SeqCst) {
                 nats.lock().unwrap().kill();
                 let nats = nats.clone();
+                let failed = failed.clone();
                 std::thread::spawn(move || {
-                    std::thread::sleep(Duration::from_millis(1500));
+                    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+                    while failed.load(Ordering::SeqCst) == 0 && std::time::Instant::now() < deadline
+                    {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
                     nats.lock().unwrap().restart();
                 });
             }
@@ -213,7 +254,11 @@ async fn a_nats_server_killed_mid_sweep_and_restarted_loses_nothing() {
         .await
         .expect("the sweep completes once the server is back")
         .unwrap();
-    assert!(killed.load(std::sync::atomic::Ordering::SeqCst));
+    assert!(killed.load(Ordering::SeqCst));
+    assert!(
+        failed.load(Ordering::SeqCst) > 0,
+        "no publish failed while the server was down"
+    );
     assert_eq!(report.snapshots, 400);
     assert_eq!(
         store

@@ -4,7 +4,7 @@
 //!
 //! The binary comes from env `TANSU_BIN`, else from `scripts/install-tansu.sh`'s
 //! cache path; when it is missing the test is skipped with a message, unless
-//! env `CI` is set, then it fails.
+//! env `VCDC_REQUIRE_BROKERS` (set by scripts/test.sh) or `CI` is set, then it fails.
 
 #[path = "common/brokers.rs"]
 #[allow(dead_code)]

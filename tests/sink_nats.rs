@@ -12,13 +12,12 @@ use std::time::Duration;
 
 use async_nats::header::NATS_MESSAGE_ID;
 use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
-use futures::StreamExt;
 use voucher_cdc::event::{Event, Op};
 use voucher_cdc::sinks::nats::{NatsSink, NatsSinkConfig, NatsSinkError};
 use voucher_cdc::sinks::{Sink, SinkError};
 use voucher_cdc::stream::{Resource, StreamKey};
 
-use brokers::{retry_until_acked, sample_events, spawn_nats, NatsServer};
+use brokers::{retry_until_acked, sample_events, spawn_nats, NatsAckGate, NatsServer};
 
 fn sink_config(server: &NatsServer) -> NatsSinkConfig {
     NatsSinkConfig {
@@ -42,26 +41,11 @@ async fn stream_message_count(server: &NatsServer, stream: &str) -> u64 {
 
 /// Every message of the stream as (subject, Nats-Msg-Id), in stream order.
 async fn stored_messages(server: &NatsServer, stream: &str) -> Vec<(String, String)> {
-    let js = jetstream(server).await;
-    let stream = js.get_stream(stream).await.unwrap();
-    let count = stream.cached_info().state.messages;
-    let first = stream.cached_info().state.first_sequence;
-    futures::stream::iter(first..first + count)
-        .map(|seq| {
-            let stream = &stream;
-            async move {
-                let message = stream.get_raw_message(seq).await.unwrap();
-                let id = message
-                    .headers
-                    .get(NATS_MESSAGE_ID)
-                    .map(|v| v.as_str().to_string())
-                    .unwrap_or_default();
-                (message.subject.to_string(), id)
-            }
-        })
-        .buffered(64)
-        .collect()
+    brokers::stored_messages(&server.url(), stream)
         .await
+        .into_iter()
+        .map(|m| (m.subject, m.msg_id))
+        .collect()
 }
 
 fn ids(events: &[Event]) -> BTreeSet<String> {
@@ -259,38 +243,42 @@ async fn a_server_killed_mid_batch_fails_publishes_as_retriable_and_a_retry_afte
     let Some(mut server) = spawn_nats() else {
         return;
     };
-    let sink = std::sync::Arc::new(NatsSink::connect(&sink_config(&server)).await.unwrap());
+    // The sink talks to the server through a relay that holds the server's
+    // replies after an exact number of PubAcks: the kill lands mid-batch by
+    // construction, not by how fast this machine happens to be.
+    let gate = NatsAckGate::start(&server).await;
+    let sink = std::sync::Arc::new(
+        NatsSink::connect(&NatsSinkConfig {
+            url: gate.url(),
+            ..sink_config(&server)
+        })
+        .await
+        .unwrap(),
+    );
     let stream = StreamKey::new(5, Resource::Vouchers);
     let batch = sample_events(stream, 1, 20_000, Op::Snapshot, 1024);
 
-    // Publish a large batch and kill the server once part of it is stored.
+    // Publish a large batch; after 500 acks reached the sink, nothing more
+    // does, and the server is killed.
+    const ACKS_BEFORE_KILL: usize = 500;
+    gate.hold_after(ACKS_BEFORE_KILL);
     let publishing = {
         let sink = sink.clone();
         let batch = batch.clone();
         tokio::spawn(async move { sink.publish(&batch).await })
     };
-    let js = jetstream(&server).await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let mut info = js.get_stream("VOUCHER_CDC").await.unwrap();
-        if info.info().await.unwrap().state.messages >= 500 {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "nothing stored");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    gate.held(Duration::from_secs(60)).await;
     server.kill();
     let acks = publishing.await.unwrap();
     let acked = acks.iter().filter(|a| a.is_ok()).count();
     let failed: Vec<&SinkError> = acks.iter().filter_map(|a| a.as_ref().err()).collect();
     eprintln!("killed mid-batch: {acked} acked, {} failed", failed.len());
-    // Stored is not acknowledged: PubAcks in flight die with the server, so
-    // only require that the kill landed mid-batch (some acked, some failed).
-    assert!(acked > 0, "acked {acked}");
+    // No event is acked without its PubAck: at most the 500 let through.
     assert!(
-        !failed.is_empty(),
-        "the kill came after the whole batch was acked"
+        (1..=ACKS_BEFORE_KILL).contains(&acked),
+        "acked {acked} with {ACKS_BEFORE_KILL} PubAcks delivered"
     );
+    assert_eq!(acked + failed.len(), batch.len());
     assert!(failed.iter().all(|e| e.is_retriable()), "{:?}", failed[0]);
 
     // While the server is down every publish fails as retriable.

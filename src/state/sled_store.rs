@@ -1113,6 +1113,9 @@ mod tests {
                 .collect();
             store.commit_page(VOUCHERS, &commits, &[], round).unwrap();
             if round == 10 {
+                // Pages 0..=10 are on disk before the parent is told: it never
+                // has to guess whether a background flush ran before its kill.
+                StateStore::flush(&store).unwrap();
                 std::fs::write(Path::new(&path).join("child-ready"), b"").unwrap();
             }
         }
@@ -1146,9 +1149,8 @@ mod tests {
     fn a_store_held_by_another_process_is_reported_as_locked_and_a_kill_loses_no_half_page() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("state");
+        // Returns once the child flushed its first pages and is still writing.
         let mut child = spawn_child_writer(&path);
-        // Let the child write through a few background flushes.
-        std::thread::sleep(std::time::Duration::from_millis(1200));
         let err = SledStore::open(&path).unwrap_err();
         assert!(matches!(err, StateError::Locked { .. }), "{err:?}");
         child.kill().unwrap();

@@ -26,8 +26,34 @@ pub fn free_port() -> u16 {
     listener.local_addr().unwrap().port()
 }
 
-/// Returns `Some(path)` when `path` exists; otherwise reports the skip, or
-/// panics when env `CI` is set (a missing broker must fail CI, not pass it).
+/// Whether a missing tool must fail the test instead of skipping it: under
+/// `scripts/test.sh` (env `VCDC_REQUIRE_BROKERS=1`, it installs every tool)
+/// and in CI (env `CI` set to anything but `false`/`0`/empty).
+pub fn tools_required() -> bool {
+    let set = |name: &str| {
+        std::env::var(name)
+            .map(|v| !matches!(v.trim(), "" | "0" | "false"))
+            .unwrap_or(false)
+    };
+    set("VCDC_REQUIRE_BROKERS") || set("CI")
+}
+
+/// Reports that a test cannot run because `message` (a missing tool): panics
+/// when [`tools_required`], otherwise prints why and returns, so the caller
+/// skips. The line goes to the process's stderr directly, past the test
+/// harness's output capture, so a bare `cargo test` shows every skip.
+pub fn skip_or_fail(test: &str, message: &str) {
+    if tools_required() {
+        panic!("{test}: {message} (VCDC_REQUIRE_BROKERS or CI is set: a missing tool fails)");
+    }
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr().lock(),
+        "SKIPPED {test}: {message} (set VCDC_REQUIRE_BROKERS=1 to fail instead)"
+    );
+}
+
+/// Returns `Some(path)` when `path` exists; otherwise skips or fails (see [`skip_or_fail`]).
 fn require_binary(what: &str, path: Option<PathBuf>, how_to_get: &str) -> Option<PathBuf> {
     match path {
         Some(p) if p.is_file() => Some(p),
@@ -38,10 +64,11 @@ fn require_binary(what: &str, path: Option<PathBuf>, how_to_get: &str) -> Option
                     .map(|p| p.display().to_string())
                     .unwrap_or_else(|| "PATH".to_string())
             );
-            if std::env::var_os("CI").is_some() {
-                panic!("{message}");
-            }
-            eprintln!("SKIPPED: {message}");
+            let test = std::thread::current()
+                .name()
+                .unwrap_or("a test")
+                .to_string();
+            skip_or_fail(&test, &message);
             None
         }
     }
@@ -154,6 +181,47 @@ impl Drop for NatsServer {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// A message stored in a JetStream stream.
+#[derive(Debug, Clone)]
+pub struct StoredMessage {
+    /// Its subject.
+    pub subject: String,
+    /// Its `Nats-Msg-Id` header ("" when absent).
+    pub msg_id: String,
+    /// Its body.
+    pub payload: Vec<u8>,
+}
+
+/// Every message of `stream` on the server at `url`, in stream order.
+pub async fn stored_messages(url: &str, stream: &str) -> Vec<StoredMessage> {
+    use futures::StreamExt;
+    let client = async_nats::connect(url).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let stream = js.get_stream(stream).await.unwrap();
+    let count = stream.cached_info().state.messages;
+    let first = stream.cached_info().state.first_sequence;
+    futures::stream::iter(first..first + count)
+        .map(|seq| {
+            let stream = &stream;
+            async move {
+                let message = stream.get_raw_message(seq).await.unwrap();
+                let msg_id = message
+                    .headers
+                    .get(async_nats::header::NATS_MESSAGE_ID)
+                    .map(|v| v.as_str().to_string())
+                    .unwrap_or_default();
+                StoredMessage {
+                    subject: message.subject.to_string(),
+                    msg_id,
+                    payload: message.payload.to_vec(),
+                }
+            }
+        })
+        .buffered(64)
+        .collect()
+        .await
 }
 
 /// Where `scripts/install-tansu.sh` puts the tansu binary.
@@ -392,4 +460,158 @@ pub fn sample_event(stream: StreamKey, id: u64, op: Op, payload_bytes: usize) ->
         return bare;
     }
     build(&"x".repeat(missing))
+}
+
+/// A TCP relay between a NATS client and a `nats-server` that can hold the
+/// server's replies at an exact point: after `n` more `MSG`/`HMSG` frames
+/// (JetStream PubAcks) reached the client, it forwards nothing more to it on
+/// that connection. A test kills the server at that point to make a kill land
+/// mid-batch with certainty: at most `n` acks were received, every event
+/// after them is unacknowledged, however busy the machine is.
+///
+/// Later connections (reconnects) are relayed without holding; while the
+/// server is down a connection is accepted and closed at once.
+pub struct NatsAckGate {
+    port: u16,
+    state: std::sync::Arc<GateState>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Default)]
+struct GateState {
+    /// Frames still to pass before holding, when armed.
+    armed: std::sync::Mutex<Option<usize>>,
+    /// Set once a connection holds.
+    held: tokio::sync::Notify,
+    held_flag: std::sync::atomic::AtomicBool,
+}
+
+impl NatsAckGate {
+    /// Relays a free port to `server`.
+    pub async fn start(server: &NatsServer) -> Self {
+        let upstream = server.port;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let state = std::sync::Arc::new(GateState::default());
+        let accept = {
+            let state = state.clone();
+            tokio::spawn(async move {
+                while let Ok((client, _)) = listener.accept().await {
+                    let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await
+                    else {
+                        continue; // the server is down: drop the client's connection
+                    };
+                    // The connection that is open when armed is the one that holds.
+                    tokio::spawn(relay(client, server, state.clone()));
+                }
+            })
+        };
+        Self {
+            port,
+            state,
+            accept,
+        }
+    }
+
+    /// The client URL of the relay.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// From now on, let `n` more `MSG`/`HMSG` frames through to the client, then hold.
+    pub fn hold_after(&self, n: usize) {
+        *self.state.armed.lock().unwrap() = Some(n);
+    }
+
+    /// Waits (at most `timeout`) until a connection holds; panics otherwise.
+    pub async fn held(&self, timeout: Duration) {
+        let notified = self.state.held.notified();
+        if self
+            .state
+            .held_flag
+            .load(std::sync::atomic::Ordering::SeqCst)
+        {
+            return;
+        }
+        tokio::time::timeout(timeout, notified)
+            .await
+            .unwrap_or_else(|_| panic!("the relay did not hold within {timeout:?}"));
+    }
+}
+
+impl Drop for NatsAckGate {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
+async fn relay(
+    client: tokio::net::TcpStream,
+    server: tokio::net::TcpStream,
+    state: std::sync::Arc<GateState>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    let upward = tokio::spawn(async move {
+        let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
+        let _ = server_write.shutdown().await;
+    });
+    let mut pending: Vec<u8> = Vec::new();
+    let mut chunk = vec![0u8; 64 * 1024];
+    let mut holding = false;
+    loop {
+        let read = match server_read.read(&mut chunk).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        if holding {
+            continue; // swallowed: the client never sees it
+        }
+        pending.extend_from_slice(&chunk[..read]);
+        let mut forward = 0;
+        while let Some((len, is_msg)) = next_frame(&pending[forward..]) {
+            if is_msg {
+                let mut armed = state.armed.lock().unwrap();
+                if let Some(left) = armed.as_mut() {
+                    if *left == 0 {
+                        *armed = None;
+                        holding = true;
+                        break;
+                    }
+                    *left -= 1;
+                }
+            }
+            forward += len;
+        }
+        if client_write.write_all(&pending[..forward]).await.is_err() {
+            break;
+        }
+        pending.drain(..forward);
+        if holding {
+            pending.clear();
+            state
+                .held_flag
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            state.held.notify_waiters();
+        }
+    }
+    // The server went away (or the client did): close the client's side too.
+    let _ = client_write.shutdown().await;
+    upward.abort();
+}
+
+/// The length of the first complete server-to-client protocol frame in
+/// `buf`, and whether it is a message (`MSG`/`HMSG`); None when incomplete.
+fn next_frame(buf: &[u8]) -> Option<(usize, bool)> {
+    let line_end = buf.windows(2).position(|w| w == b"\r\n")?;
+    let line = std::str::from_utf8(&buf[..line_end]).ok()?;
+    let is_msg = line.starts_with("MSG ") || line.starts_with("HMSG ");
+    if !is_msg {
+        return Some((line_end + 2, false));
+    }
+    // MSG <subject> <sid> [reply] <#bytes>; HMSG ... <#header bytes> <#total bytes>.
+    let payload: usize = line.rsplit(' ').next()?.parse().ok()?;
+    let len = line_end + 2 + payload + 2;
+    (buf.len() >= len).then_some((len, true))
 }

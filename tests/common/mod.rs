@@ -311,3 +311,57 @@ pub fn spawn_cli(args: &[&str]) -> CliProcess {
         .expect("binary starts");
     CliProcess { child, out, err }
 }
+
+/// A record as a consumer keys it: (tenant, resource, record id).
+pub type RecordKey = (u64, String, i64);
+
+/// What the simulator holds for `tenants`: every record's JSON, as the API returns it.
+pub fn api_view(
+    sim: &Simulator,
+    tenants: &[u64],
+) -> std::collections::BTreeMap<RecordKey, serde_json::Value> {
+    use voucher_cdc::stream::Resource;
+    let mut view = std::collections::BTreeMap::new();
+    for &tenant in tenants {
+        for resource in Resource::ALL {
+            for id in sim.record_ids(tenant, resource) {
+                let json = sim.record_json(tenant, resource, id, true).unwrap();
+                view.insert(
+                    (tenant, resource.as_str().to_string(), id),
+                    serde_json::from_str(&json).unwrap(),
+                );
+            }
+        }
+    }
+    view
+}
+
+/// What a consumer holds for `tenants` after applying `events` in order
+/// (replay frames skipped, a delete removes the record).
+pub fn consumer_view<'a>(
+    events: impl IntoIterator<Item = &'a serde_json::Value>,
+    tenants: &[u64],
+) -> std::collections::BTreeMap<RecordKey, serde_json::Value> {
+    let mut view = std::collections::BTreeMap::new();
+    for e in events {
+        if e["type"].as_str().unwrap().starts_with("replay.") {
+            continue;
+        }
+        let tenant = e["tenant"].as_u64().unwrap();
+        if !tenants.contains(&tenant) {
+            continue;
+        }
+        let resource = e["source"].as_str().unwrap().rsplit('/').next().unwrap();
+        let key = (
+            tenant,
+            resource.to_string(),
+            e["subject"].as_str().unwrap().parse().unwrap(),
+        );
+        if e["op"] == "delete" {
+            view.remove(&key);
+        } else {
+            view.insert(key, e["data"].clone());
+        }
+    }
+    view
+}
