@@ -71,6 +71,12 @@ cargo fmt --all -- --check
 log "cargo clippy --all-targets --features crash-points -- -D warnings"
 cargo clippy --all-targets --locked --features crash-points -- -D warnings
 
+# The crash tests (tests/crash_points.rs, tests/kill_nine.rs) abort and kill
+# the release-profile binary, as production would run it.
+log "cargo build --release --features crash-points (the binary the crash tests kill)"
+cargo build --release --locked --features crash-points --bin voucher-cdc
+export VCDC_RELEASE_BIN="$CARGO_TARGET_DIR/release/voucher-cdc"
+
 log "cargo test --features crash-points"
 cargo test --locked --no-fail-fast --features crash-points --lib --bins --tests
 
