@@ -474,7 +474,9 @@ fn durability(n: usize) {
             })
             .collect();
         let t = Instant::now();
-        store.write_intents(STREAM, &intents).expect("write_intents");
+        store
+            .write_intents(STREAM, &intents)
+            .expect("write_intents");
         intents_us.push(t.elapsed().as_micros() as u64);
         let t = Instant::now();
         store
@@ -494,7 +496,10 @@ fn durability(n: usize) {
             v.last().copied().unwrap_or(0)
         );
     };
-    println!("durability: {n} records, {} pages of {PAGE}", n.div_ceil(PAGE));
+    println!(
+        "durability: {n} records, {} pages of {PAGE}",
+        n.div_ceil(PAGE)
+    );
     summary("write_intents (fsync)", &mut intents_us);
     summary("commit_page (no fsync)", &mut commit_us);
     println!(
