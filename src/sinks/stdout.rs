@@ -170,10 +170,43 @@ mod tests {
         );
     }
 
+    /// Runs in a child process (see the next test): publishes three events
+    /// to the process's real stdout. Does nothing in a normal test run.
     #[tokio::test]
-    async fn the_real_stdout_sink_acknowledges() {
+    async fn child_publishes_to_the_real_stdout() {
+        if std::env::var_os("VCDC_STDOUT_CHILD").is_none() {
+            return;
+        }
         let sink = StdoutSink::new();
         assert_eq!(sink.name(), "stdout");
-        assert_eq!(sink.publish(&[event(7)]).await, vec![Ok(())]);
+        let acks = sink.publish(&[event(7), event(8), event(9)]).await;
+        assert_eq!(acks, vec![Ok(()), Ok(()), Ok(())]);
+        sink.flush().await.unwrap();
+    }
+
+    #[test]
+    fn what_the_real_stdout_sink_acknowledges_is_on_the_process_stdout() {
+        let output = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "sinks::stdout::tests::child_publishes_to_the_real_stdout",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("VCDC_STDOUT_CHILD", "1")
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{output:?}");
+        let stdout = String::from_utf8(output.stdout).unwrap();
+        // libtest writes its own progress to stdout too, even mid-line.
+        let events: Vec<&str> = stdout
+            .lines()
+            .filter_map(|l| l.find("{\"specversion\"").map(|at| &l[at..]))
+            .collect();
+        let expected: Vec<String> = [7, 8, 9]
+            .iter()
+            .map(|id| String::from_utf8_lossy(&event(*id).payload).into_owned())
+            .collect();
+        assert_eq!(events, expected, "stdout was: {stdout}");
     }
 }
