@@ -14,7 +14,6 @@ mod brokers;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use futures::StreamExt;
 use serde_json::Value;
 use voucher_cdc::admin::status_from_store;
 use voucher_cdc::config::OnRecordError;
@@ -81,6 +80,34 @@ fn refusing(victim: i64) -> TestSink {
     sink
 }
 
+/// A simulator with `vouchers` vouchers, a fresh store, and a sweeper whose
+/// test sink refuses the events of the record at `victim_index`.
+struct Harness {
+    sim: Simulator,
+    _dir: tempfile::TempDir,
+    store: Arc<dyn StateStore>,
+    sink: TestSink,
+    sweeper: Sweeper,
+    victim: i64,
+}
+
+async fn harness(vouchers: usize, victim_index: usize, policy: OnRecordError) -> Harness {
+    let sim = common::spawn_catalog(1, vouchers, 1).await;
+    let victim = sim.record_ids(TENANT, Resource::Vouchers)[victim_index];
+    let dir = tempfile::tempdir().unwrap();
+    let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&dir.path().join("state")).unwrap());
+    let sink = refusing(victim);
+    let sweeper = sweeper(&sim, store.clone(), Arc::new(sink.clone()), policy);
+    Harness {
+        sim,
+        _dir: dir,
+        store,
+        sink,
+        sweeper,
+        victim,
+    }
+}
+
 fn json(e: &Event) -> Value {
     serde_json::from_slice(&e.payload).unwrap()
 }
@@ -97,19 +124,16 @@ fn for_record(events: &[Event], id: i64) -> Vec<Value> {
 async fn a_record_the_sink_refuses_goes_out_as_a_dead_letter_and_the_stream_completes_and_moves_on()
 {
     let metrics = metrics();
-    let sim = common::spawn_catalog(1, 40, 1).await;
+    let Harness {
+        sim,
+        _dir,
+        store,
+        sink,
+        sweeper,
+        victim,
+    } = harness(40, 7, OnRecordError::DeadLetter).await;
     let ids = sim.record_ids(TENANT, Resource::Vouchers);
-    let (victim, other) = (ids[7], ids[20]);
-    let dir = tempfile::tempdir().unwrap();
-    let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&dir.path().join("state")).unwrap());
-    let sink = refusing(victim);
-    let sweeper = sweeper(
-        &sim,
-        store.clone(),
-        Arc::new(sink.clone()),
-        OnRecordError::DeadLetter,
-    );
-
+    let other = ids[20];
     let report = sweeper.run(SweepKind::Incremental).await.unwrap();
     assert_eq!(report.dead_lettered, 1);
     assert_eq!(report.snapshots as usize, ids.len() - 1);
@@ -198,17 +222,14 @@ async fn a_record_the_sink_refuses_goes_out_as_a_dead_letter_and_the_stream_comp
 
 #[tokio::test]
 async fn a_replay_tries_a_dead_lettered_record_again_and_clears_its_mark() {
-    let sim = common::spawn_catalog(1, 10, 1).await;
-    let victim = sim.record_ids(TENANT, Resource::Vouchers)[2];
-    let dir = tempfile::tempdir().unwrap();
-    let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&dir.path().join("state")).unwrap());
-    let sink = refusing(victim);
-    let sweeper = sweeper(
-        &sim,
-        store.clone(),
-        Arc::new(sink.clone()),
-        OnRecordError::DeadLetter,
-    );
+    let Harness {
+        sim: _sim,
+        _dir,
+        store,
+        sink,
+        sweeper,
+        victim,
+    } = harness(10, 2, OnRecordError::DeadLetter).await;
     sweeper.run(SweepKind::Incremental).await.unwrap();
     assert_eq!(store.dead_letters(VOUCHERS).unwrap().len(), 1);
 
@@ -225,17 +246,14 @@ async fn a_replay_tries_a_dead_lettered_record_again_and_clears_its_mark() {
 
 #[tokio::test]
 async fn with_on_record_error_fail_a_refused_record_fails_the_sweep_as_before() {
-    let sim = common::spawn_catalog(1, 10, 1).await;
-    let victim = sim.record_ids(TENANT, Resource::Vouchers)[2];
-    let dir = tempfile::tempdir().unwrap();
-    let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&dir.path().join("state")).unwrap());
-    let sink = refusing(victim);
-    let sweeper = sweeper(
-        &sim,
-        store.clone(),
-        Arc::new(sink.clone()),
-        OnRecordError::Fail,
-    );
+    let Harness {
+        sim: _sim,
+        _dir,
+        store,
+        sink,
+        sweeper,
+        victim: _,
+    } = harness(10, 2, OnRecordError::Fail).await;
     let err = sweeper.run(SweepKind::Incremental).await.unwrap_err();
     assert!(matches!(err, SweepError::SinkRejected { .. }), "{err}");
     let state = store.load_stream(VOUCHERS).unwrap();
@@ -267,30 +285,18 @@ async fn a_sink_wide_fatal_error_still_fails_the_sweep_under_dead_letter() {
     assert!(sink.events().iter().all(|e| e.ty != EventType::DeadLetter));
 }
 
-/// Every message of the NATS stream: (subject, payload JSON).
-async fn read_stream(url: &str, expected: usize) -> Vec<(String, Value)> {
+/// Every message of the NATS stream, by sequence: (subject, payload JSON).
+async fn stored_messages(url: &str) -> Vec<(String, Value)> {
     let client = async_nats::connect(url).await.unwrap();
     let js = async_nats::jetstream::new(client);
-    let stream = js.get_stream("VOUCHER_CDC").await.unwrap();
-    let consumer = stream
-        .create_consumer(async_nats::jetstream::consumer::pull::Config {
-            deliver_policy: async_nats::jetstream::consumer::DeliverPolicy::All,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let mut messages = consumer
-        .fetch()
-        .max_messages(expected + 10)
-        .expires(Duration::from_secs(2))
-        .messages()
-        .await
-        .unwrap();
+    let mut stream = js.get_stream("VOUCHER_CDC").await.unwrap();
+    let count = stream.info().await.unwrap().state.messages;
     let mut out = Vec::new();
-    while let Some(Ok(m)) = messages.next().await {
+    for sequence in 1..=count {
+        let message = stream.get_raw_message(sequence).await.unwrap();
         out.push((
-            m.subject.to_string(),
-            serde_json::from_slice(&m.payload).unwrap(),
+            message.subject.to_string(),
+            serde_json::from_slice(&message.payload).unwrap(),
         ));
     }
     out
@@ -351,7 +357,7 @@ async fn a_record_larger_than_the_nats_servers_max_payload_goes_to_the_deadlette
     assert_eq!(report.snapshots as usize, sized.len() - 1);
     assert!(store.load_stream(VOUCHERS).unwrap().watermark.is_some());
 
-    let messages = read_stream(&nats.url(), sized.len()).await;
+    let messages = stored_messages(&nats.url()).await;
     assert_eq!(messages.len(), sized.len());
     let letters: Vec<&(String, Value)> = messages
         .iter()
@@ -391,20 +397,15 @@ async fn a_dead_letter_matches_its_published_schema() {
     )))
     .unwrap();
     let validator = jsonschema::draft202012::new(&schema).unwrap();
-    let sim = common::spawn_catalog(1, 5, 1).await;
-    let victim = sim.record_ids(TENANT, Resource::Vouchers)[1];
-    let dir = tempfile::tempdir().unwrap();
-    let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&dir.path().join("state")).unwrap());
-    let sink = refusing(victim);
-    sweeper(
-        &sim,
-        store,
-        Arc::new(sink.clone()),
-        OnRecordError::DeadLetter,
-    )
-    .run(SweepKind::Incremental)
-    .await
-    .unwrap();
+    let Harness {
+        sim: _sim,
+        _dir,
+        sink,
+        sweeper,
+        store: _store,
+        victim: _,
+    } = harness(5, 1, OnRecordError::DeadLetter).await;
+    sweeper.run(SweepKind::Incremental).await.unwrap();
     let letters: Vec<Value> = sink
         .events()
         .iter()

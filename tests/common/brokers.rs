@@ -92,26 +92,17 @@ pub struct NatsServer {
 /// Starts `nats-server -js` on a free port with a temporary store; `None` when
 /// the binary is missing outside CI (env `NATS_SERVER_BIN` overrides the PATH lookup).
 pub fn spawn_nats() -> Option<NatsServer> {
-    let configured = std::env::var_os("NATS_SERVER_BIN").map(PathBuf::from);
-    let binary = require_binary(
-        "nats-server",
-        configured.or_else(|| on_path("nats-server")),
-        "install it (apt-get install nats-server) or set NATS_SERVER_BIN",
-    )?;
-    let mut server = NatsServer {
-        binary,
-        port: free_port(),
-        store: tempfile::tempdir().unwrap(),
-        child: None,
-        config: None,
-    };
-    server.start();
-    Some(server)
+    spawn_nats_configured(None)
 }
 
 /// Like [`spawn_nats`], with the server's `max_payload` set to `bytes` (a
 /// config file), so an ordinary record can be too large for it.
 pub fn spawn_nats_with_max_payload(bytes: usize) -> Option<NatsServer> {
+    spawn_nats_configured(Some(format!("max_payload: {bytes}\n")))
+}
+
+/// Starts `nats-server -js`, with `config` as its config file when given.
+fn spawn_nats_configured(config: Option<String>) -> Option<NatsServer> {
     let configured = std::env::var_os("NATS_SERVER_BIN").map(PathBuf::from);
     let binary = require_binary(
         "nats-server",
@@ -119,14 +110,17 @@ pub fn spawn_nats_with_max_payload(bytes: usize) -> Option<NatsServer> {
         "install it (apt-get install nats-server) or set NATS_SERVER_BIN",
     )?;
     let store = tempfile::tempdir().unwrap();
-    let config = store.path().join("nats-server.conf");
-    std::fs::write(&config, format!("max_payload: {bytes}\n")).unwrap();
+    let config = config.map(|text| {
+        let path = store.path().join("nats-server.conf");
+        std::fs::write(&path, text).unwrap();
+        path
+    });
     let mut server = NatsServer {
         binary,
         port: free_port(),
         store,
         child: None,
-        config: Some(config),
+        config,
     };
     server.start();
     Some(server)
