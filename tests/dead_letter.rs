@@ -302,25 +302,17 @@ async fn stored_messages(url: &str) -> Vec<(String, Value)> {
     out
 }
 
-#[tokio::test]
-async fn a_record_larger_than_the_nats_servers_max_payload_goes_to_the_deadletter_subject_and_the_stream_moves_on(
-) {
-    let sim = common::spawn_catalog(1, 30, 1).await;
-    // The events' sizes, from a dry run into a test sink: the limit goes
-    // between the largest event and the next one, so exactly one is too large.
+/// The snapshot events of `sim`'s vouchers from a dry run into a test sink,
+/// largest first, with the two largest payload sizes: a broker limit between
+/// them makes exactly one event too large.
+async fn event_sizes(sim: &Simulator) -> (Vec<(usize, Value)>, usize, usize) {
     let dry = TestSink::new();
-    let dry_dir = tempfile::tempdir().unwrap();
-    let dry_store: Arc<dyn StateStore> =
-        Arc::new(SledStore::open(&dry_dir.path().join("state")).unwrap());
-    sweeper(
-        &sim,
-        dry_store,
-        Arc::new(dry.clone()),
-        OnRecordError::DeadLetter,
-    )
-    .run(SweepKind::Incremental)
-    .await
-    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&dir.path().join("state")).unwrap());
+    sweeper(sim, store, Arc::new(dry.clone()), OnRecordError::DeadLetter)
+        .run(SweepKind::Incremental)
+        .await
+        .unwrap();
     let mut sized: Vec<(usize, Value)> = dry
         .events()
         .iter()
@@ -332,6 +324,14 @@ async fn a_record_larger_than_the_nats_servers_max_payload_goes_to_the_deadlette
         largest > second + 4,
         "the two largest events are {largest} and {second} bytes"
     );
+    (sized, largest, second)
+}
+
+#[tokio::test]
+async fn a_record_larger_than_the_nats_servers_max_payload_goes_to_the_deadletter_subject_and_the_stream_moves_on(
+) {
+    let sim = common::spawn_catalog(1, 30, 1).await;
+    let (sized, largest, second) = event_sizes(&sim).await;
     let victim: i64 = sized[0].1["subject"].as_str().unwrap().parse().unwrap();
     // The sink counts the payload, the event id (32) and 128 bytes of headers.
     let max_payload = (largest + second) / 2 + 32 + 128;
@@ -418,4 +418,77 @@ async fn a_dead_letter_matches_its_published_schema() {
         .map(|e| format!("{}: {e}", e.instance_path()))
         .collect();
     assert!(problems.is_empty(), "{problems:?}\n{}", letters[0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_larger_than_kafkas_message_max_bytes_goes_to_the_dead_letter_topic_and_the_stream_moves_on(
+) {
+    let sim = common::spawn_catalog(1, 30, 1).await;
+    let (sized, largest, second) = event_sizes(&sim).await;
+    let victim = sized[0].1["subject"].as_str().unwrap().to_string();
+    let cluster = rdkafka::mocking::MockCluster::new(1).unwrap();
+    for topic in ["voucher_cdc.vouchers", "voucher_cdc.deadletter"] {
+        cluster.create_topic(topic, 3, 1).unwrap();
+    }
+    let bootstrap = cluster.bootstrap_servers();
+    // The sink counts the value, the key and 128 bytes of headers: every
+    // event but the largest fits.
+    let counted = |(len, v): &(usize, Value)| len + v["partitionkey"].as_str().unwrap().len() + 128;
+    let limit = sized[1..].iter().map(counted).max().unwrap();
+    assert!(counted(&sized[0]) > limit, "{largest} and {second} bytes");
+    let mut config = voucher_cdc::sinks::kafka::KafkaSinkConfig {
+        message_timeout: Duration::from_secs(3),
+        ..voucher_cdc::sinks::kafka::KafkaSinkConfig::new(&bootstrap)
+    };
+    config
+        .properties
+        .insert("message.max.bytes".to_string(), limit.to_string());
+    let sink = voucher_cdc::sinks::kafka::KafkaSink::new(&config, &[VOUCHERS])
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&dir.path().join("state")).unwrap());
+    let report = sweeper(
+        &sim,
+        store.clone(),
+        Arc::new(sink),
+        OnRecordError::DeadLetter,
+    )
+    .run(SweepKind::Incremental)
+    .await
+    .unwrap();
+    assert_eq!(report.dead_lettered, 1);
+    assert_eq!(report.snapshots as usize, sized.len() - 1);
+    assert!(store.load_stream(VOUCHERS).unwrap().watermark.is_some());
+
+    let records = brokers::consume_all(
+        &bootstrap,
+        &["voucher_cdc.vouchers", "voucher_cdc.deadletter"],
+        3,
+        sized.len(),
+        Duration::from_secs(20),
+    );
+    assert_eq!(records.len(), sized.len());
+    let letters: Vec<Value> = records
+        .iter()
+        .filter(|r| r.topic == "voucher_cdc.deadletter")
+        .map(|r| serde_json::from_slice(r.payload.as_deref().unwrap()).unwrap())
+        .collect();
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0]["subject"], victim);
+    assert_eq!(letters[0]["id"], sized[0].1["id"]);
+    assert_eq!(letters[0]["deadletterlimit"], limit);
+    assert!(letters[0]["deadletterreason"]
+        .as_str()
+        .unwrap()
+        .contains("message.max.bytes"));
+    assert!(letters[0].get("data").is_none());
+    let events: Vec<Value> = records
+        .iter()
+        .filter(|r| r.topic == "voucher_cdc.vouchers")
+        .map(|r| serde_json::from_slice(r.payload.as_deref().unwrap()).unwrap())
+        .collect();
+    assert!(events
+        .iter()
+        .all(|e| e["op"] == "snapshot" && e["subject"] != victim));
 }
