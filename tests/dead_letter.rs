@@ -116,7 +116,7 @@ fn for_record(events: &[Event], id: i64) -> Vec<Value> {
     events
         .iter()
         .map(json)
-        .filter(|v| v["subject"] == id.to_string())
+        .filter(|v| v["subject"].as_str().and_then(|s| s.parse::<i64>().ok()) == Some(id))
         .collect()
 }
 
