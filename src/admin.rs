@@ -70,6 +70,24 @@ pub struct StreamStatus {
     pub parked: Option<String>,
     /// The current or last replay.
     pub replay: Option<ReplayState>,
+    /// Records committed as dead-lettered (their event went out as a dead
+    /// letter), in id order; each leaves the list when a later version of
+    /// it is published (a content change or a replay) or it is deleted.
+    #[serde(default)]
+    pub dead_letters: Vec<DeadLetterStatus>,
+}
+
+/// One dead-lettered record as `status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeadLetterStatus {
+    /// The record id.
+    pub record_id: i64,
+    /// Why the sink refused its event.
+    pub reason: String,
+    /// The broker limit the event exceeded, in bytes, when known.
+    pub limit: Option<u64>,
+    /// When it was dead-lettered.
+    pub since: DateTime<Utc>,
 }
 
 impl StreamStatus {
@@ -96,6 +114,7 @@ impl StreamStatus {
             last_error_at: state.last_error_at,
             parked: state.parked.clone(),
             replay: state.replay.clone(),
+            dead_letters: Vec::new(),
         }
     }
 
@@ -144,6 +163,16 @@ pub fn status_from_store(
             let state = store.load_stream(*key)?;
             let mut status = StreamStatus::from_state(*key, &state, now);
             status.records_committed = store.record_count(*key)?;
+            status.dead_letters = store
+                .dead_letters(*key)?
+                .into_iter()
+                .map(|(record_id, letter)| DeadLetterStatus {
+                    record_id,
+                    reason: letter.reason,
+                    limit: letter.limit,
+                    since: letter.since,
+                })
+                .collect();
             Ok(status)
         })
         .collect()

@@ -827,6 +827,15 @@ pub fn format_status(report: &StatusReport, now: DateTime<Utc>) -> String {
                 ago(Some(r.requested_at))
             ));
         }
+        for d in &s.dead_letters {
+            details.push(format!(
+                "{key} record {} dead-lettered since {} ({}): {}",
+                d.record_id,
+                crate::event::format_time(d.since),
+                ago(Some(d.since)),
+                d.reason
+            ));
+        }
     }
     let widths: Vec<usize> = (0..7)
         .map(|i| rows.iter().map(|r| r[i].len()).max().unwrap_or(0))

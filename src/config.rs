@@ -277,6 +277,21 @@ pub struct SinkConfig {
     /// File sink settings.
     #[serde(default)]
     pub file: Option<FileSinkConfig>,
+    /// What an event the sink can never accept does: `dead_letter` or `fail`.
+    #[serde(default)]
+    pub on_record_error: OnRecordError,
+}
+
+/// `sink.on_record_error`: what happens to an event the sink can never
+/// accept (too large for the broker, refused for that message alone).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnRecordError {
+    /// Publish a dead letter in its place, commit the record as dead-lettered, go on.
+    #[default]
+    DeadLetter,
+    /// Fail the sweep (the stream retries with backoff and does not move on).
+    Fail,
 }
 
 /// `[admin]`: the admin HTTP API.

@@ -80,6 +80,7 @@ pub fn sweep_settings(config: &Config) -> SweepSettings {
         max_pages_floor: config.poll.max_pages_floor,
         full_retry_initial: config.poll.interval,
         full_retry_max: config.poll.full_resync_interval,
+        on_record_error: config.sink.on_record_error,
         ..SweepSettings::default()
     }
 }

@@ -48,6 +48,10 @@ pub enum EventType {
     ReplayStarted,
     /// `replay.completed`.
     ReplayCompleted,
+    /// A dead letter standing in for an event the sink can never accept; its
+    /// payload keeps the original `type`, this only routes it
+    /// (`{prefix}.{tenant}.deadletter`, the Kafka dead-letter topic).
+    DeadLetter,
 }
 
 impl EventType {
@@ -60,6 +64,7 @@ impl EventType {
             EventType::Deleted(Resource::Categories) => "category.deleted",
             EventType::ReplayStarted => "replay.started",
             EventType::ReplayCompleted => "replay.completed",
+            EventType::DeadLetter => "deadletter",
         }
     }
 }
@@ -359,6 +364,105 @@ pub fn replay_event(
         op: None,
         partition_key,
     }
+}
+
+/// The attributes of a record event a dead letter copies (everything but `data`).
+#[derive(Debug, serde::Deserialize)]
+struct Head {
+    id: String,
+    source: String,
+    #[serde(rename = "type")]
+    ty: String,
+    subject: String,
+    time: String,
+    partitionkey: String,
+    tenant: TenantId,
+    op: Option<Op>,
+    contenthash: String,
+    previoushash: Option<String>,
+    replayid: Option<String>,
+}
+
+/// The dead-letter envelope: a record event's attributes without its `data`,
+/// a `dataref` to fetch the record, and why the sink refused it.
+#[derive(Debug, Serialize)]
+struct DeadLetterDoc<'a> {
+    specversion: &'static str,
+    id: &'a str,
+    source: &'a str,
+    #[serde(rename = "type")]
+    ty: &'a str,
+    subject: &'a str,
+    time: &'a str,
+    partitionkey: &'a str,
+    tenant: TenantId,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    op: Option<Op>,
+    contenthash: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    previoushash: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    replayid: Option<&'a str>,
+    dataref: String,
+    deadletterreason: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    deadletterlimit: Option<u64>,
+}
+
+/// The single-record API path a dead letter's `dataref` names:
+/// `/tenants/{tenant}/catalog/{resource}/{id}`.
+pub fn record_path(stream: StreamKey, record_id: &str) -> String {
+    format!("{}/{record_id}", source(stream))
+}
+
+/// Why a dead letter could not be built from an event.
+#[derive(Debug, thiserror::Error)]
+#[error("event {event_id} cannot be turned into a dead letter: {source}")]
+pub struct DeadLetterError {
+    /// The event.
+    pub event_id: String,
+    /// Why its payload could not be read.
+    pub source: serde_json::Error,
+}
+
+/// Builds the dead letter that stands in for `event`, which the sink refused
+/// with `reason` (and, when known, the broker `limit` in bytes): same `id`,
+/// `type`, `subject`, `tenant`, `op` and hashes, no `data`, a `dataref`
+/// naming the record's single-record API path.
+pub fn dead_letter_event(
+    event: &Event,
+    reason: &str,
+    limit: Option<u64>,
+) -> Result<Event, DeadLetterError> {
+    let head: Head = serde_json::from_slice(&event.payload).map_err(|source| DeadLetterError {
+        event_id: event.id.clone(),
+        source,
+    })?;
+    let doc = DeadLetterDoc {
+        specversion: "1.0",
+        id: &head.id,
+        source: &head.source,
+        ty: &head.ty,
+        subject: &head.subject,
+        time: &head.time,
+        partitionkey: &head.partitionkey,
+        tenant: head.tenant,
+        op: head.op,
+        contenthash: &head.contenthash,
+        previoushash: head.previoushash.as_deref(),
+        replayid: head.replayid.as_deref(),
+        dataref: record_path(event.stream, &head.subject),
+        deadletterreason: reason,
+        deadletterlimit: limit,
+    };
+    Ok(Event {
+        id: event.id.clone(),
+        stream: event.stream,
+        ty: EventType::DeadLetter,
+        op: event.op,
+        partition_key: event.partition_key.clone(),
+        payload: Bytes::from(serde_json::to_vec(&doc).unwrap_or_default()),
+    })
 }
 
 fn source(stream: StreamKey) -> String {

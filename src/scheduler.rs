@@ -108,8 +108,20 @@ pub fn due_kind(
     }
 }
 
+/// The wait after the `failures`-th failed sweep in a row: the poll interval
+/// doubled per failure, capped at `park_recheck_interval` (never below the
+/// interval), spread by the jitter. A stream whose sweeps keep failing then
+/// does not spend the shared budget on every interval.
+pub fn failure_delay(failures: u32, timing: &Timing, unit: f64) -> Duration {
+    let cap = timing.park_recheck_interval.max(timing.interval);
+    let doublings = failures.saturating_sub(1).min(20);
+    let base = timing.interval.saturating_mul(1 << doublings).min(cap);
+    jittered(base, timing, unit)
+}
+
 /// The wait before a stream's next step. `unit` is a random number in
-/// `[0, 1)` spreading the wait by `timing.jitter` either way.
+/// `[0, 1)` spreading the wait by `timing.jitter` either way. (The run loop
+/// waits [`failure_delay`] instead after failed sweeps.)
 pub fn next_delay(outcome: &StepOutcome, timing: &Timing, unit: f64) -> Duration {
     match outcome {
         StepOutcome::Swept(_) | StepOutcome::Failed(_) => jittered(timing.interval, timing, unit),
@@ -303,6 +315,7 @@ impl StreamRunner {
     /// The stream's loop until `shutdown`: sweep, wait (or wake for a replay), repeat.
     async fn run(self, mut requests: mpsc::Receiver<ReplayRequest>, shutdown: CancellationToken) {
         let mut delay = Duration::ZERO;
+        let mut failures: u32 = 0;
         loop {
             tokio::select! {
                 biased;
@@ -348,8 +361,15 @@ impl StreamRunner {
                 continue;
             }
             if let StepOutcome::Failed(error) = &outcome {
+                failures = failures.saturating_add(1);
+                delay = failure_delay(failures, &self.timing, rand::random::<f64>());
                 warn!(tenant = self.key().tenant, resource = %self.key().resource, error = %error,
-                    "sweep failed; trying again at the next interval");
+                    failures, retry_in = %humantime::format_duration(delay),
+                    "sweep failed; trying again after a backoff");
+                continue;
+            }
+            if outcome.is_ok() {
+                failures = 0;
             }
             delay = next_delay(&outcome, &self.timing, rand::random::<f64>());
         }
@@ -523,6 +543,20 @@ mod tests {
             next_delay(&StepOutcome::Interrupted, &t, 0.3),
             Duration::ZERO
         );
+    }
+
+    #[test]
+    fn a_stream_whose_sweeps_keep_failing_backs_off_exponentially_up_to_the_recheck_interval() {
+        let t = Timing {
+            jitter: 0.0,
+            ..timing()
+        };
+        assert_eq!(failure_delay(1, &t, 0.3), Duration::from_secs(30));
+        assert_eq!(failure_delay(2, &t, 0.3), Duration::from_secs(60));
+        assert_eq!(failure_delay(3, &t, 0.3), Duration::from_secs(120));
+        assert_eq!(failure_delay(4, &t, 0.3), Duration::from_secs(240));
+        assert_eq!(failure_delay(5, &t, 0.3), Duration::from_secs(300));
+        assert_eq!(failure_delay(u32::MAX, &t, 0.3), Duration::from_secs(300));
     }
 
     #[test]

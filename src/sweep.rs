@@ -24,13 +24,16 @@ use serde_json::value::RawValue;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::config::OnRecordError;
 use crate::crashpoint;
 use crate::diff::{
     content_hash, plan_change, Change, ContentHash, DiffError, IgnoreKeys, Known, SweepMode,
 };
 use crate::event::{self, Event, Op, RecordChange};
 use crate::sinks::{Sink, SinkError};
-use crate::state::{Intent, RecordState, StateError, StateStore, StreamState, Tombstone};
+use crate::state::{
+    DeadLetter, Intent, RecordState, StateError, StateStore, StreamState, Tombstone,
+};
 use crate::stream::{Resource, StreamKey};
 use crate::telemetry::metric;
 use crate::upstream::client::UpstreamClient;
@@ -80,6 +83,8 @@ pub struct SweepSettings {
     pub full_retry_initial: Duration,
     /// Longest wait before a failed full sweep is tried again.
     pub full_retry_max: Duration,
+    /// `sink.on_record_error`: what an event the sink can never accept does.
+    pub on_record_error: OnRecordError,
 }
 
 impl Default for SweepSettings {
@@ -95,6 +100,7 @@ impl Default for SweepSettings {
             max_pages_floor: crate::config::DEFAULT_MAX_PAGES_FLOOR,
             full_retry_initial: Duration::from_secs(30),
             full_retry_max: Duration::from_secs(3600),
+            on_record_error: OnRecordError::default(),
         }
     }
 }
@@ -118,6 +124,9 @@ pub enum SweepError {
         /// The sink's reason.
         message: String,
     },
+    /// A refused event could not be turned into its dead letter.
+    #[error("{0}")]
+    DeadLetter(#[from] event::DeadLetterError),
     /// A record's JSON could not be hashed.
     #[error("record {record_id}: {source}")]
     Hash {
@@ -170,6 +179,8 @@ pub struct SweepReport {
     pub snapshots: u64,
     /// Deletes acknowledged.
     pub deleted: u64,
+    /// Events the sink refused that went out as dead letters instead.
+    pub dead_lettered: u64,
     /// The new watermark.
     pub watermark: Option<DateTime<Utc>>,
     /// Records known after the sweep.
@@ -512,6 +523,7 @@ impl Sweeper {
             .collect();
 
         let detected_at = Utc::now();
+        let mut dead_letters: Vec<(i64, DeadLetter)> = Vec::new();
         let mut pending: Vec<PendingChange> = Vec::new();
         let mut seen_unchanged: Vec<i64> = Vec::new();
         for (record, committed) in records.iter().zip(&committed) {
@@ -549,12 +561,21 @@ impl Sweeper {
                 .iter()
                 .map(|c| c.event(self.stream, detected_at))
                 .collect();
-            self.publish_all(&events).await?;
+            let marks = self.publish_changes(&events).await?;
             crashpoint::hit(crashpoint::names::AFTER_PUBLISH);
-            for (c, e) in pending.iter().zip(&events) {
-                report.count(c.change.op);
-                self.count_event(e);
+            for ((c, e), mark) in pending.iter().zip(&events).zip(&marks) {
+                if mark.is_some() {
+                    report.dead_lettered += 1;
+                } else {
+                    report.count(c.change.op);
+                    self.count_event(e);
+                }
             }
+            dead_letters = pending
+                .iter()
+                .zip(marks)
+                .filter_map(|(c, mark)| mark.map(|m| (c.record.id, m)))
+                .collect();
         }
 
         // Every event of the page is acknowledged: now, and only now, commit.
@@ -574,8 +595,14 @@ impl Sweeper {
             })
             .collect();
         let seen: &[i64] = if plan.full { &seen_unchanged } else { &[] };
-        self.store
-            .commit_page(self.stream, &commits, seen, plan.epoch)?;
+        // A dead-lettered record commits too (its dead letter was acknowledged), marked.
+        self.store.commit_page_with_dead_letters(
+            self.stream,
+            &commits,
+            seen,
+            plan.epoch,
+            &dead_letters,
+        )?;
         if !pending.is_empty() {
             crashpoint::hit(crashpoint::names::AFTER_COMMIT);
         }
@@ -662,11 +689,15 @@ impl Sweeper {
                 .iter()
                 .map(|d| d.event(self.stream, detected_at, &self.settings.ignore_keys))
                 .collect::<Result<_, _>>()?;
-            self.publish_all(&events).await?;
+            let marks = self.publish_changes(&events).await?;
             crashpoint::hit(crashpoint::names::AFTER_DELETE_PUBLISH);
-            for e in &events {
-                report.count(Op::Delete);
-                self.count_event(e);
+            for (e, mark) in events.iter().zip(&marks) {
+                if mark.is_some() {
+                    report.dead_lettered += 1;
+                } else {
+                    report.count(Op::Delete);
+                    self.count_event(e);
+                }
             }
             let tombstones: Vec<(i64, Tombstone)> = gone.iter().map(|d| d.tombstone()).collect();
             self.store.commit_deletes(self.stream, &tombstones)?;
@@ -735,13 +766,77 @@ impl Sweeper {
 
     /// Publishes until every event is acknowledged. Retriable failures are
     /// retried (only the failed events) with capped exponential backoff; a
-    /// fatal one fails the sweep. Nothing is committed in here.
+    /// fatal or rejected one fails the sweep. Nothing is committed in here.
     async fn publish_all(&self, events: &[Event]) -> Result<(), SweepError> {
-        let mut outstanding: Vec<&Event> = events.iter().collect();
+        self.publish_acks(events, false).await.map(drop)
+    }
+
+    /// Publishes a page's record events. Under `sink.on_record_error =
+    /// "dead_letter"` an event the sink can never accept is replaced by its
+    /// dead letter, which must be acknowledged like any event; returns, per
+    /// event, the dead-letter mark its record commits with (None: acknowledged).
+    async fn publish_changes(
+        &self,
+        events: &[Event],
+    ) -> Result<Vec<Option<DeadLetter>>, SweepError> {
+        let tolerate = self.settings.on_record_error == OnRecordError::DeadLetter;
+        let refused = self.publish_acks(events, tolerate).await?;
+        let mut marks: Vec<Option<DeadLetter>> = vec![None; events.len()];
+        let mut letters = Vec::new();
+        let mut refusals = Vec::new();
+        for (index, refusal) in refused.into_iter().enumerate() {
+            let (Some(error), Some(event)) = (refusal, events.get(index)) else {
+                continue;
+            };
+            let label = error.reason_label();
+            if let SinkError::Rejected { reason, limit } = error {
+                letters.push(event::dead_letter_event(event, &reason, limit)?);
+                refusals.push((index, reason, limit, label));
+            }
+        }
+        if letters.is_empty() {
+            return Ok(marks);
+        }
+        // A dead letter the sink refuses too fails the sweep: nothing is committed.
+        self.publish_all(&letters).await?;
+        let since = Utc::now();
+        for (index, reason, limit, label) in refusals {
+            if let Some(event) = events.get(index) {
+                warn!(tenant = self.stream.tenant, resource = %self.stream.resource,
+                    sink = self.sink.name(), event_id = %event.id, error = %reason,
+                    "sink refused the event for good; published a dead letter instead and moving on");
+            }
+            metrics::counter!(metric::DEAD_LETTERS, "tenant" => self.stream.tenant.to_string(),
+                "resource" => self.stream.resource.as_str(), "reason" => label)
+            .increment(1);
+            marks[index] = Some(DeadLetter {
+                since,
+                reason,
+                limit,
+            });
+        }
+        Ok(marks)
+    }
+
+    /// Publishes until every event is acknowledged or, with `tolerate_refusals`,
+    /// refused for good; returns per event the refusal (None: acknowledged).
+    /// Retriable failures are retried (only the failed events) with capped
+    /// exponential backoff; a fatal one, and a refusal unless tolerated, fails
+    /// the sweep. Nothing is committed in here.
+    async fn publish_acks(
+        &self,
+        events: &[Event],
+        tolerate_refusals: bool,
+    ) -> Result<Vec<Option<SinkError>>, SweepError> {
+        let mut refused: Vec<Option<SinkError>> = vec![None; events.len()];
+        let mut outstanding: Vec<usize> = (0..events.len()).collect();
         let mut backoff = self.settings.sink_backoff_initial;
         let mut attempt: u32 = 0;
         while !outstanding.is_empty() {
-            let batch: Vec<Event> = outstanding.iter().map(|e| (*e).clone()).collect();
+            let batch: Vec<Event> = outstanding
+                .iter()
+                .filter_map(|&i| events.get(i).cloned())
+                .collect();
             let started = Instant::now();
             let acks = match tokio::time::timeout(
                 self.settings.publish_timeout,
@@ -761,28 +856,31 @@ impl Sweeper {
             crate::sinks::metrics::record_publish(self.sink.name(), started.elapsed(), &acks);
             let mut retry = Vec::new();
             let mut last_error = None;
-            for (i, event) in outstanding.iter().enumerate() {
+            for (i, (&index, event)) in outstanding.iter().zip(&batch).enumerate() {
                 match acks.get(i) {
                     Some(Ok(())) => {}
-                    Some(Err(SinkError::Fatal(message))) => {
+                    Some(Err(e @ SinkError::Rejected { .. })) if tolerate_refusals => {
+                        refused[index] = Some(e.clone());
+                    }
+                    Some(Err(e @ (SinkError::Fatal(_) | SinkError::Rejected { .. }))) => {
                         return Err(SweepError::SinkRejected {
                             sink: self.sink.name().to_string(),
                             event_id: event.id.clone(),
-                            message: message.clone(),
+                            message: e.to_string(),
                         });
                     }
                     Some(Err(e @ SinkError::Retriable(_))) => {
                         last_error = Some(e.to_string());
-                        retry.push(*event);
+                        retry.push(index);
                     }
                     None => {
                         last_error = Some("sink returned fewer acks than events".to_string());
-                        retry.push(*event);
+                        retry.push(index);
                     }
                 }
             }
             if retry.is_empty() {
-                return Ok(());
+                return Ok(refused);
             }
             attempt += 1;
             warn!(tenant = self.stream.tenant, resource = %self.stream.resource,
@@ -802,7 +900,7 @@ impl Sweeper {
             backoff = (backoff * 2).min(self.settings.sink_backoff_max);
             outstanding = retry;
         }
-        Ok(())
+        Ok(refused)
     }
 }
 

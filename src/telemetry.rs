@@ -23,7 +23,8 @@ pub mod metric {
     pub const EVENTS_PUBLISHED: &str = "voucher_cdc_events_published_total";
     /// Seconds from publishing a batch to its last ack, by `sink` (histogram).
     pub const PUBLISH_LATENCY: &str = "voucher_cdc_publish_latency_seconds";
-    /// Events the sink failed to acknowledge, by `sink`, `kind` (`retriable`, `fatal`).
+    /// Events the sink failed to acknowledge, by `sink`, `kind` (`retriable`,
+    /// `fatal`, `rejected`: this one event can never be accepted).
     pub const PUBLISH_FAILURES: &str = "voucher_cdc_publish_failures_total";
     /// Now minus the stream's watermark, by `tenant`, `resource`.
     pub const STREAM_LAG: &str = "voucher_cdc_stream_lag_seconds";
@@ -48,6 +49,10 @@ pub mod metric {
     /// Publish batches still unacknowledged after 5 retriable failures (the
     /// error is then the stream's last error), by `tenant`, `resource`, `sink`.
     pub const SINK_STALLS: &str = "voucher_cdc_sink_stalls_total";
+    /// Records whose event the sink refused and that went out as a dead letter
+    /// instead (`sink.on_record_error = "dead_letter"`), by `tenant`,
+    /// `resource`, `reason` (`too_large`, `rejected`).
+    pub const DEAD_LETTERS: &str = "voucher_cdc_dead_letters_total";
     /// 1 when the sink's health check passes, by `sink`.
     pub const SINK_UP: &str = "voucher_cdc_sink_up";
 }

@@ -295,8 +295,8 @@ async fn persistent_produce_errors_fail_as_retriable_and_the_retry_succeeds_once
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_message_larger_than_the_producer_allows_is_fatal_and_the_rest_of_the_batch_is_delivered()
-{
+async fn a_message_larger_than_the_producer_allows_is_rejected_alone_and_the_rest_of_the_batch_is_delivered(
+) {
     let (_cluster, bootstrap) = mock_cluster(1, &["voucher_cdc.vouchers"]);
     let mut config = sink_config(&bootstrap);
     config
@@ -313,10 +313,43 @@ async fn a_message_larger_than_the_producer_allows_is_fatal_and_the_rest_of_the_
         acks[0].is_ok() && acks[2].is_ok() && acks[3].is_ok(),
         "{acks:?}"
     );
-    let Err(SinkError::Fatal(message)) = &acks[1] else {
-        panic!("expected a fatal error, got {:?}", acks[1]);
+    let Err(SinkError::Rejected { reason, limit }) = &acks[1] else {
+        panic!("expected a per-record rejection, got {:?}", acks[1]);
     };
-    assert!(message.contains("MessageSizeTooLarge"), "{message}");
+    assert_eq!(*limit, Some(4000));
+    assert!(reason.contains("message.max.bytes of 4000"), "{reason}");
+    assert!(reason.contains("compression.type"), "{reason}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_goes_to_the_dead_letter_topic_keyed_by_partitionkey() {
+    let (_cluster, bootstrap) = mock_cluster(1, &["voucher_cdc.vouchers", "dlq"]);
+    let config = KafkaSinkConfig {
+        dead_letter_topic: "dlq".to_string(),
+        ..sink_config(&bootstrap)
+    };
+    let sink = KafkaSink::new(&config, &[VOUCHERS]).await.unwrap();
+    let original = sample_events(VOUCHERS, 5, 1, Op::Update, 200).remove(0);
+    let letter = voucher_cdc::event::dead_letter_event(&original, "too large", Some(1000)).unwrap();
+    assert!(all_ok(&sink.publish(std::slice::from_ref(&letter)).await));
+    let records = consume_all(
+        &bootstrap,
+        &["voucher_cdc.vouchers", "dlq"],
+        3,
+        1,
+        Duration::from_secs(20),
+    );
+    assert_eq!(records.len(), 1);
+    assert_eq!(records[0].topic, "dlq");
+    assert_eq!(
+        records[0].key.as_deref(),
+        Some(original.partition_key.as_bytes())
+    );
+    let value: serde_json::Value =
+        serde_json::from_slice(records[0].payload.as_deref().unwrap()).unwrap();
+    assert_eq!(value["id"], original.id.as_str());
+    assert_eq!(value["deadletterlimit"], 1000);
+    assert!(value.get("data").is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

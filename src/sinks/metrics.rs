@@ -19,8 +19,16 @@ pub fn record_publish(sink: &str, elapsed: Duration, acks: &[Ack]) {
         .count() as u64;
     let fatal = acks
         .iter()
-        .filter(|a| matches!(a, Err(e) if !e.is_retriable()))
+        .filter(|a| matches!(a, Err(e) if !e.is_retriable() && !e.is_rejected()))
         .count() as u64;
+    let rejected = acks
+        .iter()
+        .filter(|a| matches!(a, Err(e) if e.is_rejected()))
+        .count() as u64;
+    if rejected > 0 {
+        metrics::counter!(metric::PUBLISH_FAILURES, "sink" => sink.to_string(), "kind" => "rejected")
+            .increment(rejected);
+    }
     if retriable > 0 {
         metrics::counter!(metric::PUBLISH_FAILURES, "sink" => sink.to_string(), "kind" => "retriable")
             .increment(retriable);

@@ -1,5 +1,6 @@
 //! Where events go: the `Sink` trait every backend implements, and the
-//! classification of publish failures into retriable and fatal.
+//! classification of publish failures into retriable, fatal (sink-wide) and
+//! rejected (this one event can never be accepted).
 //!
 //! A sink acknowledges each event on its own; the sweep commits a record's
 //! content hash only after its event was acknowledged (DESIGN.md, invariant).
@@ -22,15 +23,39 @@ pub enum SinkError {
     /// A transient failure (broker down, timeout, queue full for too long): retry later.
     #[error("{0}")]
     Retriable(String),
-    /// A permanent failure (bad config, message rejected as invalid): retrying will not help.
+    /// A permanent, sink-wide failure (bad config, authorization): retrying will not help.
     #[error("{0}")]
     Fatal(String),
+    /// This one event can never be accepted (too large for the broker, or
+    /// refused for that message alone); other events are unaffected.
+    #[error("{reason}")]
+    Rejected {
+        /// The broker's or the sink's reason, one line.
+        reason: String,
+        /// The broker limit the event exceeded, in bytes, when known.
+        limit: Option<u64>,
+    },
 }
 
 impl SinkError {
     /// True when the same publish may succeed later.
     pub fn is_retriable(&self) -> bool {
         matches!(self, SinkError::Retriable(_))
+    }
+
+    /// True when only this event failed and will fail again (see [`SinkError::Rejected`]).
+    pub fn is_rejected(&self) -> bool {
+        matches!(self, SinkError::Rejected { .. })
+    }
+
+    /// A short label of the reason for metrics: `too_large` or `rejected`.
+    pub fn reason_label(&self) -> &'static str {
+        match self {
+            SinkError::Rejected { limit: Some(_), .. } => "too_large",
+            SinkError::Rejected { .. } => "rejected",
+            SinkError::Fatal(_) => "fatal",
+            SinkError::Retriable(_) => "retriable",
+        }
     }
 }
 

@@ -15,6 +15,9 @@
 //!   the record states of the present ids in id order. Pages list neighbouring
 //!   ids, so one sled entry serves many records: far fewer sled operations per
 //!   page and far less per-entry overhead on disk than one entry per record;
+//! * a dead-lettered record: key `b'd' | tenant | tag | id`, value the JSON
+//!   of its reason, limit and since (rare, so JSON), written and cleared in
+//!   the same batch as the record's bucket;
 //! * the number of records of a stream: key `b'n' | tenant | tag`, value u64 BE,
 //!   updated in the same batch as the buckets;
 //! * intents are journalled per publish batch: key `b'j' | tenant | tag | seq u64 BE`,
@@ -41,6 +44,9 @@ pub(crate) const KIND_JOURNAL: u8 = b'j';
 pub(crate) const KIND_COUNT: u8 = b'n';
 /// Kind byte of a tombstone key.
 pub(crate) const KIND_TOMBSTONE: u8 = b't';
+/// Kind byte of a dead-letter mark (record id key, JSON [`super::DeadLetter`] value);
+/// stores of layout 1 and 2 simply have none.
+pub(crate) const KIND_DEAD_LETTER: u8 = b'd';
 
 /// Length of a per-record key.
 pub(crate) const RECORD_KEY_LEN: usize = 18;

@@ -128,6 +128,20 @@ pub fn replay_id_bytes(replay_id: &str) -> Option<[u8; 16]> {
     Some(out)
 }
 
+/// A record committed as dead-lettered: its event was refused by the sink and
+/// a dead letter went out in its place. Cleared when a later version of the
+/// record commits normally (a content change or a replay) or the record is deleted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeadLetter {
+    /// When the record was dead-lettered.
+    pub since: DateTime<Utc>,
+    /// The sink's reason, one line.
+    pub reason: String,
+    /// The broker limit the event exceeded, in bytes, when known.
+    #[serde(default)]
+    pub limit: Option<u64>,
+}
+
 /// What remains of a deleted record: enough to give a re-created record a new event id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Tombstone {
@@ -242,6 +256,26 @@ pub trait StateStore: Send + Sync + 'static {
         seen: &[i64],
         epoch: u64,
     ) -> Result<(), StateError>;
+    /// Like [`StateStore::commit_page`], in the same one batch, and marks the
+    /// `dead_letters` ids (a subset of the `commits` ids) as dead-lettered;
+    /// every other committed id loses its mark. A store without a
+    /// dead-letter index commits the page only.
+    fn commit_page_with_dead_letters(
+        &self,
+        key: StreamKey,
+        commits: &[(i64, RecordState)],
+        seen: &[i64],
+        epoch: u64,
+        dead_letters: &[(i64, DeadLetter)],
+    ) -> Result<(), StateError> {
+        let _ = dead_letters;
+        self.commit_page(key, commits, seen, epoch)
+    }
+    /// The stream's dead-lettered records, in id order (empty for a store without the index).
+    fn dead_letters(&self, key: StreamKey) -> Result<Vec<(i64, DeadLetter)>, StateError> {
+        let _ = key;
+        Ok(Vec::new())
+    }
     /// Records with `seen_epoch < epoch`, in id order.
     fn unseen_records(
         &self,
@@ -250,7 +284,8 @@ pub trait StateStore: Send + Sync + 'static {
     ) -> Result<Vec<(i64, RecordState)>, StateError>;
     /// Number of committed records of the stream.
     fn record_count(&self, key: StreamKey) -> Result<u64, StateError>;
-    /// One atomic batch: remove the records and any intents for these ids, write the tombstones.
+    /// One atomic batch: remove the records, their dead-letter marks and any
+    /// intents for these ids, write the tombstones.
     fn commit_deletes(
         &self,
         key: StreamKey,

@@ -15,9 +15,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tempfile::TempDir;
 
-use super::codec::{self, Bucket, KIND_COUNT, KIND_JOURNAL, KIND_RECORD, KIND_TOMBSTONE};
+use super::codec::{
+    self, Bucket, KIND_COUNT, KIND_DEAD_LETTER, KIND_JOURNAL, KIND_RECORD, KIND_TOMBSTONE,
+};
 use super::journal::{JournalPlan, StreamJournal};
-use super::{Intent, RecordState, StateError, StateStore, StreamState, Tombstone};
+use super::{DeadLetter, Intent, RecordState, StateError, StateStore, StreamState, Tombstone};
 use crate::stream::StreamKey;
 
 /// The on-disk layout this build writes.
@@ -432,6 +434,34 @@ impl StateStore for SledStore {
         seen: &[i64],
         epoch: u64,
     ) -> Result<(), StateError> {
+        self.commit_page_with_dead_letters(key, commits, seen, epoch, &[])
+    }
+
+    fn dead_letters(&self, key: StreamKey) -> Result<Vec<(i64, DeadLetter)>, StateError> {
+        let mut out = Vec::new();
+        for entry in self
+            .catalog
+            .scan_prefix(codec::prefix(KIND_DEAD_LETTER, key))
+        {
+            let (k, v) = entry.map_err(|e| self.err(e))?;
+            let id = codec::key_id(&k).ok_or_else(|| self.corrupt_value("dead letter", &k))?;
+            let letter: DeadLetter =
+                serde_json::from_slice(&v).map_err(|_| self.corrupt_value("dead letter", &k))?;
+            out.push((id, letter));
+        }
+        Ok(out)
+    }
+
+    fn commit_page_with_dead_letters(
+        &self,
+        key: StreamKey,
+        commits: &[(i64, RecordState)],
+        seen: &[i64],
+        epoch: u64,
+        dead_letters: &[(i64, DeadLetter)],
+    ) -> Result<(), StateError> {
+        let letters: HashMap<i64, &DeadLetter> =
+            dead_letters.iter().map(|(id, l)| (*id, l)).collect();
         let journal = self.journal(key)?;
         let mut journal = lock(&journal);
         let plan = journal.plan_removal(commits.iter().map(|(id, _)| *id));
@@ -448,6 +478,15 @@ impl StateStore for SledStore {
             dirty.insert(codec::bucket_of(*id).0);
             // Removing an absent key is a no-op in sled (nothing is logged).
             batch.remove(&codec::record_key(KIND_TOMBSTONE, key, *id)[..]);
+            let mark = codec::record_key(KIND_DEAD_LETTER, key, *id);
+            match letters.get(id) {
+                Some(letter) => {
+                    let value = serde_json::to_vec(letter)
+                        .map_err(|e| self.corrupt(format!("cannot encode a dead letter: {e}")))?;
+                    batch.insert(&mark[..], value);
+                }
+                None => batch.remove(&mark[..]),
+            }
         }
         let committed: HashSet<i64> = commits.iter().map(|(id, _)| *id).collect();
         for id in seen.iter().filter(|id| !committed.contains(id)) {
@@ -519,6 +558,7 @@ impl StateStore for SledStore {
             }
             codec::encode_tombstone(tombstone, &mut value);
             batch.insert(&codec::record_key(KIND_TOMBSTONE, key, *id)[..], &value[..]);
+            batch.remove(&codec::record_key(KIND_DEAD_LETTER, key, *id)[..]);
         }
         Self::write_buckets(&mut batch, key, &buckets, &dirty);
         if removed > 0 {

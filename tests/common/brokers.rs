@@ -112,22 +112,42 @@ pub struct NatsServer {
     port: u16,
     store: tempfile::TempDir,
     child: Option<Child>,
+    /// A server config file (`-c`), for limits such as `max_payload`.
+    config: Option<PathBuf>,
 }
 
 /// Starts `nats-server -js` on a free port with a temporary store; `None` when
 /// the binary is missing outside CI (env `NATS_SERVER_BIN` overrides the PATH lookup).
 pub fn spawn_nats() -> Option<NatsServer> {
+    spawn_nats_configured(None)
+}
+
+/// Like [`spawn_nats`], with the server's `max_payload` set to `bytes` (a
+/// config file), so an ordinary record can be too large for it.
+pub fn spawn_nats_with_max_payload(bytes: usize) -> Option<NatsServer> {
+    spawn_nats_configured(Some(format!("max_payload: {bytes}\n")))
+}
+
+/// Starts `nats-server -js`, with `config` as its config file when given.
+fn spawn_nats_configured(config: Option<String>) -> Option<NatsServer> {
     let configured = std::env::var_os("NATS_SERVER_BIN").map(PathBuf::from);
     let binary = require_binary(
         "nats-server",
         configured.or_else(|| on_path("nats-server")),
         "install it (apt-get install nats-server) or set NATS_SERVER_BIN",
     )?;
+    let store = tempfile::tempdir().unwrap();
+    let config = config.map(|text| {
+        let path = store.path().join("nats-server.conf");
+        std::fs::write(&path, text).unwrap();
+        path
+    });
     let mut server = NatsServer {
         binary,
         port: free_port(),
-        store: tempfile::tempdir().unwrap(),
+        store,
         child: None,
+        config,
     };
     server.start();
     Some(server)
@@ -162,7 +182,11 @@ impl NatsServer {
         let log = self.log_path();
         let (stdout, stderr) = log_file(&log);
         let store = self.store.path().join("jetstream");
-        let mut child = Command::new(&self.binary)
+        let mut command = Command::new(&self.binary);
+        if let Some(config) = &self.config {
+            command.arg("-c").arg(config);
+        }
+        let mut child = command
             .args(["-js", "-a", "127.0.0.1", "-p"])
             .arg(self.port.to_string())
             .arg("-sd")

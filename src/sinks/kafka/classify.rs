@@ -2,9 +2,11 @@
 //! pure function of the error code so the rules are testable without a broker.
 //!
 //! Retriable: the broker or network is away or slow, leadership is moving,
-//! the local queue is full, the topic does not exist yet. Fatal: the message
-//! or the configuration is wrong (too large, not authorized, invalid) or the
-//! idempotent producer lost its guarantees; retrying the same event cannot help.
+//! the local queue is full, the topic does not exist yet. Rejected: this one
+//! message can never be accepted (too large, an invalid record); other
+//! messages are unaffected. Fatal: the configuration is wrong (not
+//! authorized, invalid settings) or the idempotent producer lost its
+//! guarantees; retrying any event cannot help.
 
 use rdkafka::types::RDKafkaErrorCode;
 
@@ -13,6 +15,8 @@ use rdkafka::types::RDKafkaErrorCode;
 pub enum Failure {
     /// Retry later; nothing is wrong with the event itself.
     Retriable,
+    /// This one message can never be accepted; the others can.
+    Rejected,
     /// Retrying cannot help; an operator must act.
     Fatal,
 }
@@ -24,8 +28,9 @@ pub fn classify(code: RDKafkaErrorCode) -> Failure {
         C::MessageSizeTooLarge
         | C::InvalidMessageSize
         | C::MessageBatchTooLarge
-        | C::InvalidTopic
         | C::InvalidRecord
+        | C::InvalidDifferentRecord => Failure::Rejected,
+        C::InvalidTopic
         | C::InvalidRequiredAcks
         | C::InvalidConfig
         | C::InvalidArgument
@@ -64,7 +69,7 @@ pub fn hint(code: RDKafkaErrorCode) -> Option<&'static str> {
             Some("create the topic or set sink.kafka.create_topics = true")
         }
         C::MessageSizeTooLarge | C::InvalidMessageSize | C::MessageBatchTooLarge => {
-            Some("raise the topic's max.message.bytes or the producer's message.max.bytes")
+            Some("set the producer's compression.type, or raise the topic's max.message.bytes and the producer's message.max.bytes")
         }
         C::TopicAuthorizationFailed | C::ClusterAuthorizationFailed => {
             Some("grant the principal WRITE on the topic and IDEMPOTENT_WRITE on the cluster")
@@ -104,10 +109,20 @@ mod tests {
     }
 
     #[test]
-    fn rejected_messages_authorization_and_config_are_fatal() {
+    fn messages_too_large_or_invalid_are_rejected_alone() {
         for code in [
             RDKafkaErrorCode::MessageSizeTooLarge,
             RDKafkaErrorCode::InvalidMessageSize,
+            RDKafkaErrorCode::MessageBatchTooLarge,
+            RDKafkaErrorCode::InvalidRecord,
+        ] {
+            assert_eq!(classify(code), Failure::Rejected, "{code:?}");
+        }
+    }
+
+    #[test]
+    fn authorization_and_config_are_fatal() {
+        for code in [
             RDKafkaErrorCode::TopicAuthorizationFailed,
             RDKafkaErrorCode::ClusterAuthorizationFailed,
             RDKafkaErrorCode::InvalidConfig,

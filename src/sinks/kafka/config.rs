@@ -62,9 +62,20 @@ pub struct KafkaSinkConfig {
     /// How long librdkafka may try to deliver one message before it counts as failed.
     #[serde(default = "default_message_timeout", with = "humantime_serde")]
     pub message_timeout: Duration,
+    /// Topic of dead letters (events the broker can never accept), under
+    /// `sink.on_record_error = "dead_letter"`.
+    #[serde(default = "default_dead_letter_topic")]
+    pub dead_letter_topic: String,
     /// Extra librdkafka properties (SASL, SSL, tuning), passed as given.
     #[serde(default)]
     pub properties: BTreeMap<String, String>,
+}
+
+/// librdkafka's default `message.max.bytes`.
+pub const DEFAULT_MESSAGE_MAX_BYTES: u64 = 1_000_000;
+
+fn default_dead_letter_topic() -> String {
+    "voucher_cdc.deadletter".to_string()
 }
 
 fn default_topic_template() -> String {
@@ -133,6 +144,7 @@ impl fmt::Debug for KafkaSinkConfig {
             .field("topic_partitions", &self.topic_partitions)
             .field("topic_replication_factor", &self.topic_replication_factor)
             .field("message_timeout", &self.message_timeout)
+            .field("dead_letter_topic", &self.dead_letter_topic)
             .field("properties", &RedactedProperties(&self.properties))
             .finish()
     }
@@ -166,6 +178,7 @@ impl KafkaSinkConfig {
             topic_partitions: default_topic_partitions(),
             topic_replication_factor: default_topic_replication_factor(),
             message_timeout: default_message_timeout(),
+            dead_letter_topic: default_dead_letter_topic(),
             properties: BTreeMap::new(),
         }
     }
@@ -190,12 +203,24 @@ impl KafkaSinkConfig {
         }
     }
 
+    /// The producer's `message.max.bytes` (librdkafka's default when not set
+    /// or unreadable): the largest event the sink tries to send.
+    pub fn message_max_bytes(&self) -> u64 {
+        self.properties
+            .get("message.max.bytes")
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(DEFAULT_MESSAGE_MAX_BYTES)
+    }
+
     /// Checks every value that can be checked without a broker; returns the parsed template.
     pub fn validate(&self) -> Result<TopicTemplate, KafkaConfigError> {
         if self.brokers.split(',').all(|b| b.trim().is_empty()) {
             return Err(invalid("brokers", "no broker address given"));
         }
         let template = TopicTemplate::parse(&self.topic_template)?;
+        if self.dead_letter_topic.trim().is_empty() {
+            return Err(invalid("dead_letter_topic", "must not be empty"));
+        }
         if self.topic_partitions < 1 {
             return Err(invalid("topic_partitions", "must be at least 1"));
         }

@@ -24,7 +24,7 @@ use rdkafka::types::RDKafkaErrorCode;
 
 pub use self::classify::Failure;
 pub use self::config::{KafkaConfigError, KafkaSinkConfig, TopicTemplate};
-use crate::event::Event;
+use crate::event::{Event, EventType};
 use crate::sinks::metrics::record_sink_up;
 use crate::sinks::{Ack, Sink, SinkError};
 use crate::stream::StreamKey;
@@ -34,6 +34,9 @@ const SINK: &str = "kafka";
 
 /// The `content-type` header every event record carries.
 pub const CONTENT_TYPE: &str = "application/cloudevents+json";
+
+/// Bytes the record headers and librdkafka's framing add to a message, for the size check.
+const HEADER_OVERHEAD: usize = 128;
 
 /// How long one metadata request of the health check may take.
 const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
@@ -81,6 +84,10 @@ pub struct KafkaSink {
     tombstones: bool,
     message_timeout: Duration,
     brokers: String,
+    /// Topic of dead letters ([`EventType::DeadLetter`] events).
+    dead_letter_topic: String,
+    /// The producer's `message.max.bytes`: larger events are rejected before sending.
+    message_max_bytes: u64,
 }
 
 impl std::fmt::Debug for KafkaSink {
@@ -106,7 +113,9 @@ impl KafkaSink {
             .create()
             .map_err(|e| client_error(config, &e))?;
         if config.create_topics {
-            let topics: BTreeSet<String> = topics_for.iter().map(|s| template.render(*s)).collect();
+            let mut topics: BTreeSet<String> =
+                topics_for.iter().map(|s| template.render(*s)).collect();
+            topics.insert(config.dead_letter_topic.clone());
             create_topics(config, &client_config, &topics).await?;
         }
         record_sink_up(SINK, true);
@@ -117,6 +126,8 @@ impl KafkaSink {
             tombstones: config.tombstones,
             message_timeout: config.message_timeout,
             brokers: config.brokers.clone(),
+            dead_letter_topic: config.dead_letter_topic.clone(),
+            message_max_bytes: config.message_max_bytes(),
         })
     }
 
@@ -194,7 +205,31 @@ impl KafkaSink {
 
     /// Queues an event (and its tombstone).
     async fn enqueue_event(&self, producer: &FutureProducer, event: &Event) -> Queued {
-        let topic = self.template.render(event.stream);
+        let topic = if event.ty == EventType::DeadLetter {
+            self.dead_letter_topic.clone()
+        } else {
+            self.template.render(event.stream)
+        };
+        // librdkafka refuses a message over message.max.bytes (key, value and
+        // headers, before compression) anyway: say so without queueing it.
+        let size = (event.payload.len() + event.partition_key.len() + HEADER_OVERHEAD) as u64;
+        if size > self.message_max_bytes {
+            return Queued {
+                deliveries: Vec::new(),
+                error: Some(SinkError::Rejected {
+                    reason: format!(
+                        "kafka: event {} for topic `{topic}` is {} bytes, more than the producer's \
+                         message.max.bytes of {} (set compression.type, or raise message.max.bytes \
+                         and the topic's max.message.bytes)",
+                        event.id,
+                        event.payload.len(),
+                        self.message_max_bytes
+                    ),
+                    limit: Some(self.message_max_bytes),
+                }),
+                topic,
+            };
+        }
         let headers = OwnedHeaders::new().insert(Header {
             key: "content-type",
             value: Some(CONTENT_TYPE),
@@ -241,6 +276,10 @@ impl KafkaSink {
         );
         match classify::classify(code) {
             Failure::Retriable => SinkError::Retriable(message),
+            Failure::Rejected => SinkError::Rejected {
+                reason: message,
+                limit: None,
+            },
             Failure::Fatal => SinkError::Fatal(message),
         }
     }

@@ -132,11 +132,15 @@ impl NatsSink {
         let subject = subject_for(&self.subject_prefix, event);
         let size = event.payload.len() + event.id.len() + HEADER_OVERHEAD;
         if max_payload > 0 && size > max_payload {
-            return Err(SinkError::Fatal(format!(
-                "nats: event {} for `{subject}` is {} bytes, more than the server's max_payload of {max_payload}",
-                event.id,
-                event.payload.len()
-            )));
+            // Known from the server's INFO: no round trip for an event that cannot fit.
+            return Err(SinkError::Rejected {
+                reason: format!(
+                    "nats: event {} for `{subject}` is {} bytes, more than the server's max_payload of {max_payload}",
+                    event.id,
+                    event.payload.len()
+                ),
+                limit: Some(max_payload as u64),
+            });
         }
         let _permit = self
             .in_flight
@@ -187,7 +191,13 @@ impl NatsSink {
             }
             _ => format!("nats: publish to `{subject}` failed: {error}"),
         };
-        if is_fatal(kind, code) {
+        let chain = error_chain(&error);
+        if is_rejected(kind, code) || mentions_max_payload(&chain) {
+            SinkError::Rejected {
+                reason: message,
+                limit: None,
+            }
+        } else if is_fatal(kind, code) {
             SinkError::Fatal(message)
         } else {
             SinkError::Retriable(message)
@@ -204,18 +214,42 @@ pub fn subject_for(subject_prefix: &str, event: &Event) -> String {
     )
 }
 
-/// True when retrying the same publish cannot succeed.
-///
-/// Only a message the stream rejects as too large (and the optimistic-concurrency
-/// failures this sink never asks for) are fatal; timeouts, lost connections,
-/// a missing stream and full or unavailable storage clear up on their own or
-/// by operator action, so the sweep waits and retries them.
-pub fn is_fatal(kind: PublishErrorKind, code: Option<ErrorCode>) -> bool {
-    match kind {
-        PublishErrorKind::WrongLastMessageId | PublishErrorKind::WrongLastSequence => true,
-        PublishErrorKind::Other => code == Some(ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM),
-        _ => false,
+/// True when the stream refuses this one message and would refuse it again
+/// (larger than the stream's `max_msg_size`): a per-record failure.
+pub fn is_rejected(kind: PublishErrorKind, code: Option<ErrorCode>) -> bool {
+    kind == PublishErrorKind::Other && code == Some(ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM)
+}
+
+/// True when an error text says the message exceeded the payload limit
+/// (`maximum payload exceeded`, the client's `max payload size exceeded`).
+pub fn mentions_max_payload(text: &str) -> bool {
+    let text = text.to_ascii_lowercase();
+    text.contains("maximum payload") || text.contains("max payload")
+}
+
+/// An error and its sources as one line.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
     }
+    text
+}
+
+/// True when retrying the same publish cannot succeed, for any event.
+///
+/// Only the optimistic-concurrency failures this sink never asks for are
+/// fatal (a message too large is [`is_rejected`]); timeouts, lost
+/// connections, a missing stream and full or unavailable storage clear up on
+/// their own or by operator action, so the sweep waits and retries them.
+pub fn is_fatal(kind: PublishErrorKind, _code: Option<ErrorCode>) -> bool {
+    matches!(
+        kind,
+        PublishErrorKind::WrongLastMessageId | PublishErrorKind::WrongLastSequence
+    )
 }
 
 #[async_trait]
@@ -398,11 +432,22 @@ mod tests {
     }
 
     #[test]
-    fn only_rejected_messages_are_fatal_and_transport_trouble_is_retriable() {
-        assert!(is_fatal(
+    fn a_message_too_large_is_rejected_alone_and_transport_trouble_is_retriable() {
+        assert!(is_rejected(
             PublishErrorKind::Other,
             Some(ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM)
         ));
+        assert!(!is_fatal(
+            PublishErrorKind::Other,
+            Some(ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM)
+        ));
+        assert!(mentions_max_payload(
+            "nats: -ERR 'Maximum Payload Exceeded'"
+        ));
+        assert!(mentions_max_payload(
+            "publish failed: max payload size exceeded"
+        ));
+        assert!(!mentions_max_payload("broken pipe"));
         assert!(is_fatal(PublishErrorKind::WrongLastSequence, None));
         for kind in [
             PublishErrorKind::TimedOut,
@@ -418,6 +463,7 @@ mod tests {
             ErrorCode::INSUFFICIENT_RESOURCES,
         ] {
             assert!(!is_fatal(PublishErrorKind::Other, Some(code)));
+            assert!(!is_rejected(PublishErrorKind::Other, Some(code)));
         }
     }
 }
