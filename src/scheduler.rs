@@ -364,7 +364,7 @@ impl StreamRunner {
                 failures = failures.saturating_add(1);
                 delay = failure_delay(failures, &self.timing, rand::random::<f64>());
                 warn!(tenant = self.key().tenant, resource = %self.key().resource, error = %error,
-                    failures, retry_in = %humantime::format_duration(delay),
+                    failures, retry_in = %telemetry::human_duration(delay),
                     "sweep failed; trying again after a backoff");
                 continue;
             }
@@ -445,7 +445,7 @@ impl Scheduler {
                 }
                 Err(_) => {
                     warn!(tenant = key.tenant, resource = %key.resource,
-                        grace = %humantime::format_duration(grace),
+                        grace = %telemetry::human_duration(grace),
                         "stream did not stop in time; aborting it (its uncommitted page is listed again next run)");
                     task.abort();
                     let _ = task.await;

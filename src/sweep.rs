@@ -280,8 +280,13 @@ impl Sweeper {
                 if plan.full {
                     state.last_full_sweep_finished = state.last_sweep_finished;
                 }
-                state.last_error = None;
-                state.last_error_at = None;
+                // A failing full sweep stays visible (status, stream_failing,
+                // status exit code) until a full sweep succeeds, even while
+                // incremental sweeps succeed in between.
+                if plan.full || state.full_sweep_failures == 0 {
+                    state.last_error = None;
+                    state.last_error_at = None;
+                }
                 state.parked = None;
                 state.records_known = report.records_known;
                 if plan.full {

@@ -19,7 +19,6 @@ use voucher_cdc::admin::status_from_store;
 use voucher_cdc::config::OnRecordError;
 use voucher_cdc::event::{Event, EventType};
 use voucher_cdc::simulator::Simulator;
-use voucher_cdc::sinks::nats::{NatsSink, NatsSinkConfig};
 use voucher_cdc::sinks::testing::{FaultMode, RejectTarget, TestSink};
 use voucher_cdc::sinks::{Sink, SinkError};
 use voucher_cdc::state::{SledStore, StateStore};
@@ -339,16 +338,7 @@ async fn a_record_larger_than_the_nats_servers_max_payload_goes_to_the_deadlette
     let Some(nats) = brokers::spawn_nats_with_max_payload(max_payload) else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&dir.path().join("state")).unwrap());
-    let sink: Arc<dyn Sink> = Arc::new(
-        NatsSink::connect(&NatsSinkConfig {
-            url: nats.url(),
-            ..NatsSinkConfig::default()
-        })
-        .await
-        .unwrap(),
-    );
+    let (_dir, store, sink) = brokers::store_and_nats_sink(&nats.url()).await;
     let report = sweeper(&sim, store.clone(), sink, OnRecordError::DeadLetter)
         .run(SweepKind::Incremental)
         .await
@@ -491,4 +481,50 @@ async fn a_record_larger_than_kafkas_message_max_bytes_goes_to_the_dead_letter_t
     assert!(events
         .iter()
         .all(|e| e["op"] == "snapshot" && e["subject"] != victim));
+}
+
+#[tokio::test]
+async fn a_2_mb_record_against_a_nats_server_with_default_limits_is_dead_lettered_and_a_later_fitting_version_is_an_update(
+) {
+    let sim = common::spawn_catalog(1, 30, 1).await;
+    let victim = sim.record_ids(TENANT, Resource::Vouchers)[7];
+    assert!(sim.set_oversize(TENANT, Resource::Vouchers, victim, 2_100_000));
+    let Some(nats) = brokers::spawn_nats() else {
+        return;
+    };
+    let (_dir, store, sink) = brokers::store_and_nats_sink(&nats.url()).await;
+    let sweeper = sweeper(&sim, store.clone(), sink, OnRecordError::DeadLetter);
+    let report = sweeper.run(SweepKind::Incremental).await.unwrap();
+    assert_eq!(report.dead_lettered, 1);
+    assert_eq!(report.snapshots, 29);
+    assert!(store.load_stream(VOUCHERS).unwrap().watermark.is_some());
+    let messages = stored_messages(&nats.url()).await;
+    let letter = messages
+        .iter()
+        .find(|(subject, _)| subject == &format!("voucher_cdc.{TENANT}.deadletter"))
+        .map(|(_, body)| body.clone())
+        .expect("the dead letter is in the stream");
+    assert_eq!(letter["subject"], victim.to_string());
+    assert_eq!(
+        letter["deadletterlimit"],
+        1024 * 1024,
+        "NATS's default max_payload"
+    );
+    assert_eq!(
+        letter["dataref"],
+        format!("/tenants/{TENANT}/catalog/vouchers/{victim}")
+    );
+
+    // The record shrinks again: an ordinary update against the dead-lettered hash.
+    assert!(sim.set_oversize(TENANT, Resource::Vouchers, victim, 0));
+    sim.update(TENANT, Resource::Vouchers, victim);
+    sweeper.run(SweepKind::Incremental).await.unwrap();
+    let messages = stored_messages(&nats.url()).await;
+    let (subject, update) = messages.last().unwrap();
+    assert_eq!(subject, &format!("voucher_cdc.{TENANT}.voucher.updated"));
+    assert_eq!(update["subject"], victim.to_string());
+    assert_eq!(update["op"], "update");
+    assert_eq!(update["previoushash"], letter["contenthash"]);
+    let status = status_from_store(store.as_ref(), &[VOUCHERS], chrono::Utc::now()).unwrap();
+    assert!(status[0].dead_letters.is_empty(), "the mark is cleared");
 }

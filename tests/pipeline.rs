@@ -159,16 +159,7 @@ async fn every_record_reaches_nats_jetstream_exactly_as_the_api_returned_it() {
         return;
     };
     let sim = common::spawn_catalog(1, 130, 12).await;
-    let dir = tempfile::tempdir().unwrap();
-    let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&dir.path().join("state")).unwrap());
-    let sink: Arc<dyn Sink> = Arc::new(
-        NatsSink::connect(&NatsSinkConfig {
-            url: nats.url(),
-            ..NatsSinkConfig::default()
-        })
-        .await
-        .unwrap(),
-    );
+    let (_dir, store, sink) = brokers::store_and_nats_sink(&nats.url()).await;
     for resource in Resource::ALL {
         let report = sweeper(&sim, store.clone(), sink.clone(), resource)
             .run(SweepKind::Incremental)

@@ -783,6 +783,16 @@ async fn a_replay_that_finds_most_records_gone_deletes_them_once_confirmed_and_d
         state.full_sweep_retry_at.is_some(),
         "the full sweep backs off"
     );
+    // Incremental sweeps go on, and the refusal stays visible meanwhile.
+    h.sweep(1, V, SweepKind::Incremental).await;
+    let state = h.store.load_stream(stream).unwrap();
+    assert!(
+        state
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("refused to delete")),
+        "{state:?}"
+    );
 
     // The advice works: the replay confirms each delete and completes.
     h.sim.clear_request_log();

@@ -639,3 +639,24 @@ fn next_frame(buf: &[u8]) -> Option<(usize, bool)> {
     let len = line_end + 2 + payload + 2;
     (buf.len() >= len).then_some((len, true))
 }
+
+/// A sled store in a fresh temp dir and a NATS sink connected to `url` with
+/// the default sink settings: what a sweep against a real server needs.
+pub async fn store_and_nats_sink(
+    url: &str,
+) -> (
+    tempfile::TempDir,
+    std::sync::Arc<dyn voucher_cdc::state::StateStore>,
+    std::sync::Arc<dyn Sink>,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = voucher_cdc::state::SledStore::open(&dir.path().join("state")).unwrap();
+    let sink =
+        voucher_cdc::sinks::nats::NatsSink::connect(&voucher_cdc::sinks::nats::NatsSinkConfig {
+            url: url.to_string(),
+            ..voucher_cdc::sinks::nats::NatsSinkConfig::default()
+        })
+        .await
+        .unwrap();
+    (dir, std::sync::Arc::new(store), std::sync::Arc::new(sink))
+}

@@ -25,9 +25,10 @@ pub enum Failure {
 pub fn classify(code: RDKafkaErrorCode) -> Failure {
     use RDKafkaErrorCode as C;
     match code {
+        // One message the broker can never take. (A batch that is too large
+        // says nothing about any one event in it: that is retried below.)
         C::MessageSizeTooLarge
         | C::InvalidMessageSize
-        | C::MessageBatchTooLarge
         | C::InvalidRecord
         | C::InvalidDifferentRecord => Failure::Rejected,
         C::InvalidTopic
@@ -113,11 +114,15 @@ mod tests {
         for code in [
             RDKafkaErrorCode::MessageSizeTooLarge,
             RDKafkaErrorCode::InvalidMessageSize,
-            RDKafkaErrorCode::MessageBatchTooLarge,
             RDKafkaErrorCode::InvalidRecord,
         ] {
             assert_eq!(classify(code), Failure::Rejected, "{code:?}");
         }
+        // A batch too large is no verdict on any one event of it.
+        assert_eq!(
+            classify(RDKafkaErrorCode::MessageBatchTooLarge),
+            Failure::Retriable
+        );
     }
 
     #[test]

@@ -27,7 +27,7 @@ use futures::StreamExt;
 use tokio::sync::Semaphore;
 
 pub use self::config::{NatsConfigError, NatsSinkConfig, NatsTlsConfig, Secret};
-use crate::event::Event;
+use crate::event::{Event, EventType};
 use crate::sinks::metrics::record_sink_up;
 use crate::sinks::{Ack, Sink, SinkError};
 
@@ -155,7 +155,7 @@ impl NatsSink {
         }
         let message = Publish::build()
             .payload(event.payload.clone())
-            .message_id(&event.id)
+            .message_id(dedupe_id(event))
             .header("Content-Type", CONTENT_TYPE);
         let ack = self
             .js
@@ -390,12 +390,23 @@ async fn connect_options(config: &NatsSinkConfig) -> Result<ConnectOptions, Stri
     Ok(options.require_tls(config.tls.required))
 }
 
+/// The `Nats-Msg-Id` JetStream deduplicates by: the event id, except for a
+/// dead letter, which carries its event's id in the body but must never make
+/// JetStream drop that event itself as a duplicate (a dead letter acked before
+/// a crash, the limit raised, the event re-published and now fitting).
+fn dedupe_id(event: &Event) -> String {
+    if event.ty == EventType::DeadLetter {
+        format!("{}.deadletter", event.id)
+    } else {
+        event.id.clone()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use bytes::Bytes;
 
     use super::*;
-    use crate::event::EventType;
     use crate::stream::{Resource, StreamKey};
 
     fn event(tenant: u64, ty: EventType) -> Event {
@@ -407,6 +418,15 @@ mod tests {
             partition_key: format!("{tenant}:voucher:1"),
             payload: Bytes::from_static(b"{}"),
         }
+    }
+
+    #[test]
+    fn a_dead_letter_never_takes_the_dedupe_id_of_the_event_it_stands_for() {
+        let record = event(4, EventType::Updated(Resource::Vouchers));
+        let letter = event(4, EventType::DeadLetter);
+        assert_eq!(dedupe_id(&record), record.id);
+        assert_eq!(dedupe_id(&letter), format!("{}.deadletter", letter.id));
+        assert_ne!(dedupe_id(&letter), dedupe_id(&record));
     }
 
     #[test]
