@@ -261,7 +261,12 @@ impl Sweeper {
         };
         debug!(tenant = self.stream.tenant, resource = %self.stream.resource, kind = label, "sweep started");
 
-        let result = self.sweep(&plan, &mut state, label).await;
+        let mut report = SweepReport {
+            kind: label,
+            ..SweepReport::default()
+        };
+        let swept = self.sweep(&plan, &mut state, &mut report).await;
+        let result = swept.map(|()| report.clone());
         let outcome = match &result {
             Ok(_) => "ok",
             Err(SweepError::Interrupted) => "interrupted",
@@ -318,6 +323,16 @@ impl Sweeper {
                 }
                 warn!(tenant = self.stream.tenant, resource = %self.stream.resource, kind = label,
                     error = %e, "sweep failed");
+            }
+        }
+        if result.is_err() {
+            // A stopped replay resumes later and skips what it emitted: keep its count.
+            if let Some(replay) = state
+                .replay
+                .as_mut()
+                .filter(|r| r.pending && Some(&r.id) == plan.replay_id.as_ref())
+            {
+                replay.records = replay.records.saturating_add(report.snapshots);
             }
         }
         self.store.save_stream(self.stream, &state)?;
@@ -377,16 +392,13 @@ impl Sweeper {
         }
     }
 
+    /// The sweep proper; `report` holds what it did so far, also when it fails.
     async fn sweep(
         &self,
         plan: &Plan,
         state: &mut StreamState,
-        label: &'static str,
-    ) -> Result<SweepReport, SweepError> {
-        let mut report = SweepReport {
-            kind: label,
-            ..SweepReport::default()
-        };
+        report: &mut SweepReport,
+    ) -> Result<(), SweepError> {
         let known_before = self.store.record_count(self.stream)?;
         if let Some(replay_id) = &plan.replay_id {
             self.publish_replay_frame(state, replay_id, false, 0)
@@ -413,7 +425,7 @@ impl Sweeper {
             report.pages += 1;
             report.records_seen += page.records.len() as u64;
             self.count_page(&page);
-            self.process_page(plan, &page.records, &mut report).await?;
+            self.process_page(plan, &page.records, report).await?;
             if let Some(progress) = &self.progress {
                 progress(self.stream, report.records_seen, report.pages);
             }
@@ -423,16 +435,23 @@ impl Sweeper {
         }
 
         if plan.full {
-            self.delete_unseen(plan, known_before, &mut report).await?;
+            self.delete_unseen(plan, known_before, report).await?;
         }
 
         if let Some(replay_id) = &plan.replay_id {
-            self.publish_replay_frame(state, replay_id, true, report.snapshots)
+            // Snapshots of earlier, interrupted runs of this replay count too.
+            let earlier = state
+                .replay
+                .as_ref()
+                .filter(|r| &r.id == replay_id)
+                .map_or(0, |r| r.records);
+            let total = earlier.saturating_add(report.snapshots);
+            self.publish_replay_frame(state, replay_id, true, total)
                 .await?;
             let mut fresh = self.store.load_stream(self.stream)?;
             if let Some(replay) = fresh.replay.as_mut().filter(|r| &r.id == replay_id) {
                 replay.pending = false;
-                replay.records = report.snapshots;
+                replay.records = total;
             }
             self.store.save_stream(self.stream, &fresh)?;
             *state = fresh;
@@ -440,7 +459,7 @@ impl Sweeper {
 
         report.watermark = first_server_time;
         report.records_known = self.store.record_count(self.stream)?;
-        Ok(report)
+        Ok(())
     }
 
     fn count_page(&self, page: &Page) {

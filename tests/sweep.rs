@@ -762,7 +762,14 @@ async fn a_replay_interrupted_between_pages_resumes_without_re_emitting_under_ne
         .filter(|e| e["op"] == "snapshot")
         .all(|e| e["replayid"] == replay_id.as_str()));
     assert_eq!(resumed.last().unwrap()["type"], "replay.completed");
-    assert!(!h.store.load_stream(stream).unwrap().replay.unwrap().pending);
+    assert_eq!(
+        resumed.last().unwrap()["data"]["records"],
+        160,
+        "the count includes the snapshots before the stop"
+    );
+    let replay = h.store.load_stream(stream).unwrap().replay.unwrap();
+    assert!(!replay.pending);
+    assert_eq!(replay.records, 160);
 }
 
 #[tokio::test]
