@@ -18,7 +18,9 @@ use voucher_cdc::simulator::Simulator;
 use voucher_cdc::sinks::testing::{FaultMode, TestSink};
 use voucher_cdc::sinks::Sink;
 use voucher_cdc::state::SledStore;
-use voucher_cdc::state::{Intent, RecordState, StateError, StateStore, StreamState, Tombstone};
+use voucher_cdc::state::{
+    DeadLetter, Intent, RecordState, StateError, StateStore, StreamState, Tombstone,
+};
 use voucher_cdc::stream::{Resource, StreamKey};
 use voucher_cdc::sweep::{schedule_replay, SweepError, SweepKind, SweepSettings, Sweeper};
 use voucher_cdc::upstream::client::UpstreamClient;
@@ -427,35 +429,57 @@ async fn a_retriable_sink_outage_is_waited_out_without_committing() {
     assert_eq!(h.store.record_count(stream).unwrap(), 60);
 }
 
-/// A store that fails its n-th mutating call: a crash between two steps.
-struct CrashingStore {
+/// A store that runs `hook` with the method's name before every call: a crash
+/// (the hook's error) or an upstream change injected between two steps.
+struct HookedStore {
+    inner: Arc<dyn StateStore>,
+    hook: Box<dyn Fn(&'static str) -> Result<(), StateError> + Send + Sync>,
+}
+
+/// The calls that change the store.
+const MUTATING: [&str; 4] = [
+    "save_stream",
+    "write_intents",
+    "commit_page",
+    "commit_deletes",
+];
+
+/// A store that fails its `fail_at`-th mutating call (a crash between two
+/// steps), counting the mutating calls in `calls`.
+fn crashing_store(
     inner: Arc<dyn StateStore>,
     fail_at: usize,
-    calls: AtomicUsize,
+    calls: Arc<AtomicUsize>,
+) -> Arc<dyn StateStore> {
+    Arc::new(HookedStore {
+        inner,
+        hook: Box::new(move |what| {
+            if !MUTATING.contains(&what) {
+                return Ok(());
+            }
+            let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+            if n == fail_at {
+                return Err(StateError::Io {
+                    path: PathBuf::from("crash"),
+                    source: std::io::Error::other(format!("injected crash before {what}")),
+                });
+            }
+            Ok(())
+        }),
+    })
 }
 
-impl CrashingStore {
-    fn step(&self, what: &str) -> Result<(), StateError> {
-        let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
-        if n == self.fail_at {
-            return Err(StateError::Io {
-                path: PathBuf::from("crash"),
-                source: std::io::Error::other(format!("injected crash before {what}")),
-            });
-        }
-        Ok(())
-    }
-}
-
-impl StateStore for CrashingStore {
+impl StateStore for HookedStore {
     fn load_stream(&self, key: StreamKey) -> Result<StreamState, StateError> {
+        (self.hook)("load_stream")?;
         self.inner.load_stream(key)
     }
     fn save_stream(&self, key: StreamKey, state: &StreamState) -> Result<(), StateError> {
-        self.step("save_stream")?;
+        (self.hook)("save_stream")?;
         self.inner.save_stream(key, state)
     }
     fn streams(&self) -> Result<Vec<(StreamKey, StreamState)>, StateError> {
+        (self.hook)("streams")?;
         self.inner.streams()
     }
     fn get_records(
@@ -463,6 +487,7 @@ impl StateStore for CrashingStore {
         key: StreamKey,
         ids: &[i64],
     ) -> Result<Vec<Option<RecordState>>, StateError> {
+        (self.hook)("get_records")?;
         self.inner.get_records(key, ids)
     }
     fn get_tombstones(
@@ -470,33 +495,43 @@ impl StateStore for CrashingStore {
         key: StreamKey,
         ids: &[i64],
     ) -> Result<Vec<Option<Tombstone>>, StateError> {
+        (self.hook)("get_tombstones")?;
         self.inner.get_tombstones(key, ids)
     }
     fn write_intents(&self, key: StreamKey, intents: &[(i64, Intent)]) -> Result<(), StateError> {
-        self.step("write_intents")?;
+        (self.hook)("write_intents")?;
         self.inner.write_intents(key, intents)
     }
     fn pending_intents(&self, key: StreamKey) -> Result<Vec<(i64, Intent)>, StateError> {
+        (self.hook)("pending_intents")?;
         self.inner.pending_intents(key)
     }
-    fn commit_page(
+    fn commit_page_with_dead_letters(
         &self,
         key: StreamKey,
         commits: &[(i64, RecordState)],
         seen: &[i64],
         epoch: u64,
+        dead_letters: &[(i64, DeadLetter)],
     ) -> Result<(), StateError> {
-        self.step("commit_page")?;
-        self.inner.commit_page(key, commits, seen, epoch)
+        (self.hook)("commit_page")?;
+        self.inner
+            .commit_page_with_dead_letters(key, commits, seen, epoch, dead_letters)
+    }
+    fn dead_letters(&self, key: StreamKey) -> Result<Vec<(i64, DeadLetter)>, StateError> {
+        (self.hook)("dead_letters")?;
+        self.inner.dead_letters(key)
     }
     fn unseen_records(
         &self,
         key: StreamKey,
         epoch: u64,
     ) -> Result<Vec<(i64, RecordState)>, StateError> {
+        (self.hook)("unseen_records")?;
         self.inner.unseen_records(key, epoch)
     }
     fn record_count(&self, key: StreamKey) -> Result<u64, StateError> {
+        (self.hook)("record_count")?;
         self.inner.record_count(key)
     }
     fn commit_deletes(
@@ -504,10 +539,11 @@ impl StateStore for CrashingStore {
         key: StreamKey,
         deletes: &[(i64, Tombstone)],
     ) -> Result<(), StateError> {
-        self.step("commit_deletes")?;
+        (self.hook)("commit_deletes")?;
         self.inner.commit_deletes(key, deletes)
     }
     fn flush(&self) -> Result<(), StateError> {
+        (self.hook)("flush")?;
         self.inner.flush()
     }
 }
@@ -592,16 +628,13 @@ async fn crash_test_setup() -> (Harness, Vec<Value>, Vec<i64>) {
 async fn a_crash_at_every_store_step_never_loses_a_change_and_republishes_with_the_same_ids() {
     // Reference run: how many mutating store calls this full sweep makes.
     let (h, _, _) = crash_test_setup().await;
-    let counting = Arc::new(CrashingStore {
-        inner: h.store.clone(),
-        fail_at: usize::MAX,
-        calls: AtomicUsize::new(0),
-    });
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counting = crashing_store(h.store.clone(), usize::MAX, calls.clone());
     h.sweeper_with(StreamKey::new(1, V), counting.clone())
         .run(SweepKind::Full)
         .await
         .expect("the reference sweep succeeds");
-    let steps = counting.calls.load(Ordering::SeqCst);
+    let steps = calls.load(Ordering::SeqCst);
     assert!(
         steps >= 6,
         "intents, commit, delete intents, delete commit, saves: {steps}"
@@ -610,11 +643,7 @@ async fn a_crash_at_every_store_step_never_loses_a_change_and_republishes_with_t
     for fail_at in 1..=steps {
         let (mut h, mut acked, deleted) = crash_test_setup().await;
         let stream = StreamKey::new(1, V);
-        let crashing: Arc<dyn StateStore> = Arc::new(CrashingStore {
-            inner: h.store.clone(),
-            fail_at,
-            calls: AtomicUsize::new(0),
-        });
+        let crashing = crashing_store(h.store.clone(), fail_at, Arc::default());
         h.sink.take();
         let crashed = h.sweeper_with(stream, crashing).run(SweepKind::Full).await;
         assert!(
@@ -687,11 +716,7 @@ async fn a_published_create_whose_commit_was_lost_is_deleted_when_the_record_van
     h.sweep(1, V, SweepKind::Incremental).await;
     let created = h.sim.create(1, V);
     // Crash after the ack but before the commit: write_intents is call 2, commit_page call 3.
-    let crashing: Arc<dyn StateStore> = Arc::new(CrashingStore {
-        inner: h.store.clone(),
-        fail_at: 3,
-        calls: AtomicUsize::new(0),
-    });
+    let crashing = crashing_store(h.store.clone(), 3, Arc::default());
     h.sink.take();
     assert!(h
         .sweeper_with(stream, crashing)
@@ -1015,76 +1040,6 @@ async fn content_flipping_back_and_forth_without_an_updated_at_bump_gets_a_new_i
     assert_eq!(hashes[1], hashes[3]);
 }
 
-/// A store that restores a record upstream right before the full sweep looks
-/// for unseen records: the listing missed it, the confirming GET finds it.
-struct RestoreBeforeDeletes {
-    inner: Arc<dyn StateStore>,
-    sim: Arc<Simulator>,
-    snapshot: voucher_cdc::simulator::RecordValue,
-}
-
-impl StateStore for RestoreBeforeDeletes {
-    fn load_stream(&self, key: StreamKey) -> Result<StreamState, StateError> {
-        self.inner.load_stream(key)
-    }
-    fn save_stream(&self, key: StreamKey, state: &StreamState) -> Result<(), StateError> {
-        self.inner.save_stream(key, state)
-    }
-    fn streams(&self) -> Result<Vec<(StreamKey, StreamState)>, StateError> {
-        self.inner.streams()
-    }
-    fn get_records(
-        &self,
-        key: StreamKey,
-        ids: &[i64],
-    ) -> Result<Vec<Option<RecordState>>, StateError> {
-        self.inner.get_records(key, ids)
-    }
-    fn get_tombstones(
-        &self,
-        key: StreamKey,
-        ids: &[i64],
-    ) -> Result<Vec<Option<Tombstone>>, StateError> {
-        self.inner.get_tombstones(key, ids)
-    }
-    fn write_intents(&self, key: StreamKey, intents: &[(i64, Intent)]) -> Result<(), StateError> {
-        self.inner.write_intents(key, intents)
-    }
-    fn pending_intents(&self, key: StreamKey) -> Result<Vec<(i64, Intent)>, StateError> {
-        self.inner.pending_intents(key)
-    }
-    fn commit_page(
-        &self,
-        key: StreamKey,
-        commits: &[(i64, RecordState)],
-        seen: &[i64],
-        epoch: u64,
-    ) -> Result<(), StateError> {
-        self.inner.commit_page(key, commits, seen, epoch)
-    }
-    fn unseen_records(
-        &self,
-        key: StreamKey,
-        epoch: u64,
-    ) -> Result<Vec<(i64, RecordState)>, StateError> {
-        assert!(self.sim.restore(key.tenant, &self.snapshot, false));
-        self.inner.unseen_records(key, epoch)
-    }
-    fn record_count(&self, key: StreamKey) -> Result<u64, StateError> {
-        self.inner.record_count(key)
-    }
-    fn commit_deletes(
-        &self,
-        key: StreamKey,
-        deletes: &[(i64, Tombstone)],
-    ) -> Result<(), StateError> {
-        self.inner.commit_deletes(key, deletes)
-    }
-    fn flush(&self) -> Result<(), StateError> {
-        self.inner.flush()
-    }
-}
-
 #[tokio::test]
 async fn a_record_missing_from_the_listing_but_found_by_its_get_is_not_deleted() {
     let h = spawn_harness(1, 10, 0).await;
@@ -1095,10 +1050,17 @@ async fn a_record_missing_from_the_listing_but_found_by_its_get_is_not_deleted()
     let snapshot = h.sim.snapshot(1, V, skipped).unwrap();
     h.sim.delete(1, V, skipped);
     h.sim.delete(1, V, gone);
-    let store: Arc<dyn StateStore> = Arc::new(RestoreBeforeDeletes {
+    // Restored upstream right before the sweep looks for unseen records: the
+    // listing missed it, the confirming GET finds it.
+    let sim = h.sim.clone();
+    let store: Arc<dyn StateStore> = Arc::new(HookedStore {
         inner: h.store.clone(),
-        sim: h.sim.clone(),
-        snapshot,
+        hook: Box::new(move |what| {
+            if what == "unseen_records" {
+                assert!(sim.restore(1, &snapshot, false));
+            }
+            Ok(())
+        }),
     });
     h.sink.take();
     h.sweeper_with(stream, store)
@@ -1123,11 +1085,7 @@ async fn a_delete_whose_commit_was_lost_and_whose_record_comes_back_identical_is
     h.sim.delete(1, V, id);
     // The delete is acked; its commit is lost. Mutating calls: save_stream,
     // commit_page (seen epochs), write_intents (the delete), commit_deletes.
-    let crashing: Arc<dyn StateStore> = Arc::new(CrashingStore {
-        inner: h.store.clone(),
-        fail_at: 4,
-        calls: AtomicUsize::new(0),
-    });
+    let crashing = crashing_store(h.store.clone(), 4, Arc::default());
     h.sink.take();
     assert!(h
         .sweeper_with(stream, crashing)

@@ -249,17 +249,20 @@ pub trait StateStore: Send + Sync + 'static {
     fn pending_intents(&self, key: StreamKey) -> Result<Vec<(i64, Intent)>, StateError>;
     /// One atomic batch: upsert `commits`, remove their intents and tombstones, and set
     /// `seen_epoch = epoch` on the `seen` ids that exist (unchanged records seen by a full sweep).
+    /// Every committed id loses a dead-letter mark it had.
     fn commit_page(
         &self,
         key: StreamKey,
         commits: &[(i64, RecordState)],
         seen: &[i64],
         epoch: u64,
-    ) -> Result<(), StateError>;
+    ) -> Result<(), StateError> {
+        self.commit_page_with_dead_letters(key, commits, seen, epoch, &[])
+    }
     /// Like [`StateStore::commit_page`], in the same one batch, and marks the
     /// `dead_letters` ids (a subset of the `commits` ids) as dead-lettered;
-    /// every other committed id loses its mark. A store without a
-    /// dead-letter index commits the page only.
+    /// every other committed id loses its mark. Required, so that no store
+    /// (or wrapper of one) can drop the marks by falling back to a default.
     fn commit_page_with_dead_letters(
         &self,
         key: StreamKey,
@@ -267,15 +270,9 @@ pub trait StateStore: Send + Sync + 'static {
         seen: &[i64],
         epoch: u64,
         dead_letters: &[(i64, DeadLetter)],
-    ) -> Result<(), StateError> {
-        let _ = dead_letters;
-        self.commit_page(key, commits, seen, epoch)
-    }
-    /// The stream's dead-lettered records, in id order (empty for a store without the index).
-    fn dead_letters(&self, key: StreamKey) -> Result<Vec<(i64, DeadLetter)>, StateError> {
-        let _ = key;
-        Ok(Vec::new())
-    }
+    ) -> Result<(), StateError>;
+    /// The stream's dead-lettered records, in id order.
+    fn dead_letters(&self, key: StreamKey) -> Result<Vec<(i64, DeadLetter)>, StateError>;
     /// Records with `seen_epoch < epoch`, in id order.
     fn unseen_records(
         &self,

@@ -427,16 +427,6 @@ impl StateStore for SledStore {
         Ok(pending)
     }
 
-    fn commit_page(
-        &self,
-        key: StreamKey,
-        commits: &[(i64, RecordState)],
-        seen: &[i64],
-        epoch: u64,
-    ) -> Result<(), StateError> {
-        self.commit_page_with_dead_letters(key, commits, seen, epoch, &[])
-    }
-
     fn dead_letters(&self, key: StreamKey) -> Result<Vec<(i64, DeadLetter)>, StateError> {
         let mut out = Vec::new();
         for entry in self
