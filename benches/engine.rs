@@ -92,17 +92,23 @@ fn bodies() -> Vec<[String; 2]> {
         .collect()
 }
 
-/// What the sweep does with one page: hash, read known state, decide, journal
-/// intents, (publish would happen here), commit hashes and seen epochs.
-/// Returns how many records were emitted.
-fn sweep_page(
+/// What one page writes: intents and commits of the changed records, and the
+/// unchanged ids seen.
+struct PagePlan {
+    intents: Vec<(i64, Intent)>,
+    commits: Vec<(i64, RecordState)>,
+    seen: Vec<i64>,
+}
+
+/// The pure part of a page: hash, read known state, decide.
+fn plan_page(
     store: &SledStore,
     ignore: &IgnoreKeys,
     ids: &[i64],
     texts: &[&str],
     mode: SweepMode,
     epoch: u64,
-) -> usize {
+) -> PagePlan {
     let hashes: Vec<_> = texts
         .iter()
         .map(|t| content_hash(t, ignore).expect("generated json is valid"))
@@ -142,13 +148,39 @@ fn sweep_page(
             }
         }
     }
+    PagePlan {
+        intents,
+        commits,
+        seen,
+    }
+}
+
+/// What the sweep does with one page: plan it, journal the intents
+/// (publish would happen here), commit hashes and seen epochs.
+/// Returns how many records were emitted.
+fn sweep_page(
+    store: &SledStore,
+    ignore: &IgnoreKeys,
+    ids: &[i64],
+    texts: &[&str],
+    mode: SweepMode,
+    epoch: u64,
+) -> usize {
+    let plan = plan_page(store, ignore, ids, texts, mode, epoch);
     store
-        .write_intents(STREAM, &intents)
+        .write_intents(STREAM, &plan.intents)
         .expect("write_intents");
     store
-        .commit_page(STREAM, &commits, &seen, epoch)
+        .commit_page(STREAM, &plan.commits, &plan.seen, epoch)
         .expect("commit_page");
-    commits.len()
+    plan.commits.len()
+}
+
+/// The bodies of one page of ids, in `version` (0 or 1).
+fn page_texts<'b>(bodies: &'b [[String; 2]], ids: &[i64], version: usize) -> Vec<&'b str> {
+    ids.iter()
+        .map(|&id| bodies[id as usize % BODIES][version].as_str())
+        .collect()
 }
 
 /// Syncs ids `0..n` (first sync), page by page.
@@ -156,10 +188,7 @@ fn initial_sync(store: &SledStore, bodies: &[[String; 2]], n: usize) {
     let ignore = IgnoreKeys::default();
     let ids: Vec<i64> = (0..n as i64).collect();
     for page in ids.chunks(PAGE) {
-        let texts: Vec<&str> = page
-            .iter()
-            .map(|&id| bodies[id as usize % BODIES][0].as_str())
-            .collect();
+        let texts = page_texts(bodies, page, 0);
         sweep_page(store, &ignore, page, &texts, SweepMode::FirstSync, 1);
     }
 }
@@ -287,10 +316,7 @@ fn footprint_child(n: usize) {
     let ids: Vec<i64> = (0..n as i64).collect();
     let started = Instant::now();
     for page in ids.chunks(PAGE) {
-        let texts: Vec<&str> = page
-            .iter()
-            .map(|&id| bodies[id as usize % BODIES][0].as_str())
-            .collect();
+        let texts = page_texts(&bodies, page, 0);
         sweep_page(&store, &ignore, page, &texts, SweepMode::Normal, 2);
     }
     store.flush().expect("flush");
@@ -402,10 +428,7 @@ fn cpu_rates(n: usize) {
         let cpu = process_cpu_time();
         let wall = Instant::now();
         for page in ids.chunks(PAGE) {
-            let texts: Vec<&str> = page
-                .iter()
-                .map(|&id| bodies[id as usize % BODIES][version].as_str())
-                .collect();
+            let texts = page_texts(&bodies, page, version);
             sweep_page(&store, &ignore, page, &texts, SweepMode::Normal, epoch);
         }
         store.flush().expect("flush");
@@ -432,55 +455,16 @@ fn durability(n: usize) {
     let mut commit_us = Vec::new();
     let started = Instant::now();
     for page in ids.chunks(PAGE) {
-        let texts: Vec<&str> = page
-            .iter()
-            .map(|&id| bodies[id as usize % BODIES][0].as_str())
-            .collect();
-        let hashes: Vec<_> = texts
-            .iter()
-            .map(|t| content_hash(t, &ignore).expect("generated json is valid"))
-            .collect();
-        let intents: Vec<(i64, Intent)> = page
-            .iter()
-            .zip(&hashes)
-            .map(|(&id, &hash)| {
-                (
-                    id,
-                    Intent {
-                        hash,
-                        updated_at: Some(1_714_557_600_000_000),
-                        generation: 0,
-                        seq: 1,
-                        op: Some(voucher_cdc::event::Op::Snapshot),
-                        previous: None,
-                        replay: None,
-                    },
-                )
-            })
-            .collect();
-        let commits: Vec<(i64, RecordState)> = intents
-            .iter()
-            .map(|(id, i)| {
-                (
-                    *id,
-                    RecordState {
-                        hash: i.hash,
-                        updated_at: i.updated_at,
-                        seen_epoch: 1,
-                        generation: 0,
-                        seq: 1,
-                    },
-                )
-            })
-            .collect();
+        let texts = page_texts(&bodies, page, 0);
+        let plan = plan_page(&store, &ignore, page, &texts, SweepMode::FirstSync, 1);
         let t = Instant::now();
         store
-            .write_intents(STREAM, &intents)
+            .write_intents(STREAM, &plan.intents)
             .expect("write_intents");
         intents_us.push(t.elapsed().as_micros() as u64);
         let t = Instant::now();
         store
-            .commit_page(STREAM, &commits, &[], 1)
+            .commit_page(STREAM, &plan.commits, &plan.seen, 1)
             .expect("commit_page");
         commit_us.push(t.elapsed().as_micros() as u64);
     }
