@@ -19,7 +19,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::json;
 
 use voucher_cdc::diff::{content_hash, decide, Decision, IgnoreKeys, SweepMode};
-use voucher_cdc::state::{Intent, RecordState, SledStore, StateStore};
+use voucher_cdc::state::{Acked, Delivery, Intent, PageCommit, RecordState, SledStore, StateStore};
 use voucher_cdc::stream::{Resource, StreamKey};
 
 const STREAM: StreamKey = StreamKey {
@@ -92,12 +92,12 @@ fn bodies() -> Vec<[String; 2]> {
         .collect()
 }
 
-/// What one page writes: intents and commits of the changed records, and the
-/// unchanged ids seen.
+/// What one page writes: intents of the changed records, and the commit of
+/// the changed records and the unchanged ids seen.
 struct PagePlan {
     intents: Vec<(i64, Intent)>,
-    commits: Vec<(i64, RecordState)>,
-    seen: Vec<i64>,
+    acked: Acked<PageCommit>,
+    emitted: usize,
 }
 
 /// The pure part of a page: hash, read known state, decide.
@@ -148,10 +148,14 @@ fn plan_page(
             }
         }
     }
+    let emitted = commits.len();
+    let acks = vec![Delivery::Acknowledged; emitted];
     PagePlan {
         intents,
-        commits,
-        seen,
+        // The sweep commits only once every event is acknowledged; here the
+        // publish is left out, so every event counts as acknowledged.
+        acked: Acked::page(commits, acks, seen, epoch).expect("one ack per change"),
+        emitted,
     }
 }
 
@@ -170,10 +174,8 @@ fn sweep_page(
     store
         .write_intents(STREAM, &plan.intents)
         .expect("write_intents");
-    store
-        .commit_page(STREAM, &plan.commits, &plan.seen, epoch)
-        .expect("commit_page");
-    plan.commits.len()
+    store.commit_page(STREAM, &plan.acked).expect("commit_page");
+    plan.emitted
 }
 
 /// The bodies of one page of ids, in `version` (0 or 1).
@@ -463,9 +465,7 @@ fn durability(n: usize) {
             .expect("write_intents");
         intents_us.push(t.elapsed().as_micros() as u64);
         let t = Instant::now();
-        store
-            .commit_page(STREAM, &plan.commits, &plan.seen, 1)
-            .expect("commit_page");
+        store.commit_page(STREAM, &plan.acked).expect("commit_page");
         commit_us.push(t.elapsed().as_micros() as u64);
     }
     let wall = started.elapsed().as_secs_f64();

@@ -633,7 +633,9 @@ mod tests {
                 (i64::from(n), record)
             })
             .collect();
-        store.commit_page(key, &page, &[], 0).unwrap();
+        let acks = vec![crate::state::Delivery::Acknowledged; page.len()];
+        let page = crate::state::Acked::page(page, acks, vec![], 0).unwrap();
+        store.commit_page(key, &page).unwrap();
 
         let status = status_from_store(&store, &[key], now()).unwrap();
         assert_eq!(status[0].records_known, 0, "the sweep has not finished");

@@ -21,9 +21,9 @@ use crate::daemon::{self, Daemon};
 use crate::scheduler::StepOutcome;
 use crate::secret::Secret;
 use crate::simulator::SimulateArgs;
-use crate::state::{SledStore, StateError, StateStore};
+use crate::state::{SledStore, StateError, StateStore, StreamLedger};
 use crate::stream::{Resource, StreamKey, TenantId};
-use crate::sweep::{self, Progress};
+use crate::sweep::Progress;
 use crate::telemetry::{self, LogFormat};
 
 /// Exit code for success.
@@ -677,7 +677,8 @@ async fn replay(
         Access::Store(store, _) => {
             let mut replays = Vec::new();
             for key in targets {
-                let replay_id = sweep::schedule_replay(&store as &dyn StateStore, key, since)
+                let replay_id = StreamLedger::new(&store as &dyn StateStore, key)
+                    .schedule_replay(since, Utc::now())
                     .map_err(|e| Failure::runtime(e.to_string()))?;
                 replays.push(ScheduledReplay {
                     resource: key.resource,

@@ -238,18 +238,13 @@ impl Components {
             .iter()
             .filter_map(|key| {
                 let client = clients.get(key)?.clone();
-                Some(StreamRunner::new(
-                    Sweeper {
-                        stream: *key,
-                        client,
-                        store: store.clone(),
-                        sink: sink.clone(),
-                        settings: settings.clone(),
-                        progress: progress.clone(),
-                        shutdown: CancellationToken::new(),
-                    },
-                    timing,
-                ))
+                let sweeper =
+                    Sweeper::new(*key, client, store.clone(), sink.clone(), settings.clone());
+                let sweeper = match &progress {
+                    Some(progress) => sweeper.with_progress(progress.clone()),
+                    None => sweeper,
+                };
+                Some(StreamRunner::new(sweeper, timing))
             })
             .collect();
         Ok(Self {

@@ -9,6 +9,7 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use serde::Serialize;
 use serde_json::value::RawValue;
 
+use crate::diff::ContentHash;
 use crate::stream::{Resource, StreamKey, TenantId};
 
 /// What kind of change an event reports (the `op` attribute).
@@ -205,8 +206,8 @@ pub fn partition_key(stream: StreamKey, record_id: &str) -> String {
 pub struct RecordChange<'a> {
     /// Stream of the record.
     pub stream: StreamKey,
-    /// Record id as a decimal string.
-    pub record_id: &'a str,
+    /// Record id.
+    pub record_id: i64,
     /// Delete generation of the record id.
     pub generation: u32,
     /// Change sequence of the record (see [`EventIdParts::seq`]).
@@ -215,12 +216,12 @@ pub struct RecordChange<'a> {
     pub op: Op,
     /// The record's `updated_at` string, if any.
     pub updated_at: Option<&'a str>,
-    /// Hex content hash of `data`.
-    pub content_hash: &'a str,
-    /// Hex content hash of the previous version.
-    pub previous_hash: Option<&'a str>,
-    /// Replay id, when emitted by a replay.
-    pub replay_id: Option<&'a str>,
+    /// Content hash of `data`.
+    pub content_hash: ContentHash,
+    /// Content hash of the previous version.
+    pub previous_hash: Option<ContentHash>,
+    /// Replay id (16 bytes of the 32-hex id), when emitted by a replay.
+    pub replay: Option<[u8; 16]>,
     /// The record as returned by the API (for deletes: `{"id":N}`).
     pub data: &'a RawValue,
     /// Detection time, used as `time` when the record has no `updated_at`.
@@ -234,18 +235,22 @@ pub fn record_event(change: &RecordChange<'_>) -> Event {
     } else {
         EventType::Updated(change.stream.resource)
     };
+    let record_id = change.record_id.to_string();
+    let content_hash = change.content_hash.to_hex();
+    let previous_hash = change.previous_hash.map(|h| h.to_hex());
+    let replay_id = change.replay.map(hex::encode);
     let id = event_id(&EventIdParts {
         tenant: change.stream.tenant,
         resource: change.stream.resource,
-        record_id: change.record_id,
+        record_id: &record_id,
         generation: change.generation,
         seq: change.seq,
         updated_at: change.updated_at,
-        content_hash: change.content_hash,
-        previous_hash: change.previous_hash,
-        replay_id: change.replay_id,
+        content_hash: &content_hash,
+        previous_hash: previous_hash.as_deref(),
+        replay_id: replay_id.as_deref(),
     });
-    let partition_key = partition_key(change.stream, change.record_id);
+    let partition_key = partition_key(change.stream, &record_id);
     let time = match change.updated_at {
         Some(t) if change.op != Op::Delete && is_rfc3339(t) => t.to_string(),
         Some(t) if change.op != Op::Delete => {
@@ -266,15 +271,15 @@ pub fn record_event(change: &RecordChange<'_>) -> Event {
         id: &id,
         source: source(change.stream),
         ty: ty.as_str(),
-        subject: change.record_id,
+        subject: &record_id,
         time,
         datacontenttype: "application/json",
         partitionkey: &partition_key,
         tenant: change.stream.tenant,
         op: Some(change.op),
-        contenthash: change.content_hash,
-        previoushash: change.previous_hash,
-        replayid: change.replay_id,
+        contenthash: &content_hash,
+        previoushash: previous_hash.as_deref(),
+        replayid: replay_id.as_deref(),
         data: change.data,
     };
     let payload = encode(&doc);

@@ -22,7 +22,7 @@ use tracing::{error, info, warn, Instrument};
 use crate::config::PollConfig;
 use crate::state::{StateError, StreamState};
 use crate::stream::StreamKey;
-use crate::sweep::{schedule_replay, SweepError, SweepKind, SweepReport, Sweeper};
+use crate::sweep::{SweepError, SweepKind, SweepReport, Sweeper};
 use crate::telemetry;
 
 /// Replay requests a stream task queues before callers wait.
@@ -191,14 +191,14 @@ pub struct StreamRunner {
 }
 
 impl StreamRunner {
-    /// A runner sweeping with `sweeper` (its `shutdown` token is replaced per step).
+    /// A runner sweeping with `sweeper`.
     pub fn new(sweeper: Sweeper, timing: Timing) -> Self {
         Self { sweeper, timing }
     }
 
     /// The stream this runner sweeps.
     pub fn key(&self) -> StreamKey {
-        self.sweeper.stream
+        self.sweeper.stream()
     }
 
     /// The sweeper the runner uses (tests inspect its store and sink).
@@ -224,7 +224,7 @@ impl StreamRunner {
                 metrics::counter!(telemetry::metric::SWEEPS, "tenant" => key.tenant.to_string(),
                     "resource" => key.resource.as_str(), "kind" => "unknown", "outcome" => "panic")
                 .increment(1);
-                if let Err(e) = self.record_error(&reason) {
+                if let Err(e) = self.sweeper.ledger().record_error(&reason, Utc::now()) {
                     warn!(tenant = key.tenant, resource = %key.resource, error = %e, "cannot save the stream's last error");
                 }
                 StepOutcome::Failed(reason)
@@ -234,20 +234,10 @@ impl StreamRunner {
         outcome
     }
 
-    /// Records `error` as the stream's last error.
-    fn record_error(&self, error: &str) -> Result<(), StateError> {
-        let store = &self.sweeper.store;
-        let mut state = store.load_stream(self.key())?;
-        state.last_error = Some(error.to_string());
-        state.last_error_at = Some(Utc::now());
-        store.save_stream(self.key(), &state)?;
-        store.flush()
-    }
-
     async fn step(&self, cancel: CancellationToken) -> StepOutcome {
         let key = self.key();
-        let store = &self.sweeper.store;
-        let state = match store.load_stream(key) {
+        let ledger = self.sweeper.ledger();
+        let state = match ledger.state() {
             Ok(state) => state,
             Err(e) => {
                 warn!(tenant = key.tenant, resource = %key.resource, error = %e, "cannot read the stream state");
@@ -256,11 +246,7 @@ impl StreamRunner {
         };
         let was_parked = state.parked.is_some();
         let kind = due_kind(&state, Utc::now(), self.timing.full_resync_interval);
-        let sweeper = Sweeper {
-            shutdown: cancel,
-            ..self.sweeper.clone()
-        };
-        let outcome = match sweeper.run(kind).await {
+        let outcome = match self.sweeper.run(kind, &cancel).await {
             Ok(report) => {
                 if was_parked {
                     info!(tenant = key.tenant, resource = %key.resource, "stream unparked: the upstream answers again");
@@ -270,7 +256,7 @@ impl StreamRunner {
             Err(SweepError::Interrupted) => StepOutcome::Interrupted,
             Err(e) if e.is_parking() => {
                 let reason = e.to_string();
-                if let Err(e) = self.park(&reason) {
+                if let Err(e) = ledger.park(&reason) {
                     warn!(tenant = key.tenant, resource = %key.resource, error = %e, "cannot save the parked state");
                 }
                 warn!(tenant = key.tenant, resource = %key.resource, error = %reason,
@@ -284,18 +270,9 @@ impl StreamRunner {
         outcome
     }
 
-    /// Persists `parked = reason` in the stream state.
-    fn park(&self, reason: &str) -> Result<(), StateError> {
-        let store = &self.sweeper.store;
-        let mut state = store.load_stream(self.key())?;
-        state.parked = Some(reason.to_string());
-        store.save_stream(self.key(), &state)?;
-        store.flush()
-    }
-
     /// Sets the stream's gauges from its stored state.
     pub fn refresh_gauges(&self) {
-        if let Ok(state) = self.sweeper.store.load_stream(self.key()) {
+        if let Ok(state) = self.sweeper.ledger().state() {
             telemetry::record_stream_gauges(self.key(), &state, Utc::now());
         }
     }
@@ -303,7 +280,10 @@ impl StreamRunner {
     /// Schedules a replay between two sweeps (the task is the stream's only writer).
     fn apply_replay(&self, request: ReplayRequest) {
         let key = self.key();
-        let result = schedule_replay(self.sweeper.store.as_ref(), key, request.since);
+        let result = self
+            .sweeper
+            .ledger()
+            .schedule_replay(request.since, Utc::now());
         if let Err(e) = &result {
             warn!(tenant = key.tenant, resource = %key.resource, error = %e, "cannot schedule the replay");
         }

@@ -435,15 +435,11 @@ fn runner_for(
         Arc::new(RateBudget::new(0)),
     )
     .unwrap();
-    let sweeper = voucher_cdc::sweep::Sweeper {
-        stream,
-        client,
-        store,
-        sink: Arc::new(sink.clone()),
-        settings: Arc::new(voucher_cdc::sweep::SweepSettings::default()),
-        progress: None,
-        shutdown: CancellationToken::new(),
-    };
+    let sweeper = common::sweeps::SweeperBuilder::with_client(client, stream)
+        .with_store(store)
+        .with_sink(Arc::new(sink.clone()))
+        .with_settings(voucher_cdc::sweep::SweepSettings::default())
+        .build();
     StreamRunner::new(
         sweeper,
         Timing {

@@ -14,16 +14,19 @@ mod brokers;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use common::sweeps::SweeperBuilder;
 use serde_json::Value;
+use tokio_util::sync::CancellationToken;
 use voucher_cdc::admin::status_from_store;
 use voucher_cdc::config::OnRecordError;
 use voucher_cdc::event::{Event, EventType};
 use voucher_cdc::simulator::Simulator;
 use voucher_cdc::sinks::testing::{FaultMode, RejectTarget, TestSink};
 use voucher_cdc::sinks::{Sink, SinkError};
+use voucher_cdc::state::StreamLedger;
 use voucher_cdc::state::{SledStore, StateStore};
 use voucher_cdc::stream::{Resource, StreamKey};
-use voucher_cdc::sweep::{schedule_replay, SweepError, SweepKind, SweepSettings, Sweeper};
+use voucher_cdc::sweep::{SweepError, SweepKind, Sweeper};
 
 const TENANT: u64 = 1;
 const VOUCHERS: StreamKey = StreamKey {
@@ -47,20 +50,11 @@ fn sweeper(
     sink: Arc<dyn Sink>,
     policy: OnRecordError,
 ) -> Sweeper {
-    Sweeper {
-        stream: VOUCHERS,
-        client: common::bridge_client(sim),
-        store,
-        sink,
-        settings: Arc::new(SweepSettings {
-            sink_backoff_initial: Duration::from_millis(5),
-            sink_backoff_max: Duration::from_millis(20),
-            on_record_error: policy,
-            ..SweepSettings::default()
-        }),
-        progress: None,
-        shutdown: tokio_util::sync::CancellationToken::new(),
-    }
+    SweeperBuilder::new(sim, VOUCHERS)
+        .with_store(store)
+        .with_sink(sink)
+        .configure(|settings| settings.on_record_error = policy)
+        .build()
 }
 
 /// A test sink that refuses record `victim`'s events (not its dead letter) as too large.
@@ -133,7 +127,10 @@ async fn a_record_the_sink_refuses_goes_out_as_a_dead_letter_and_the_stream_comp
     } = harness(40, 7, OnRecordError::DeadLetter).await;
     let ids = sim.record_ids(TENANT, Resource::Vouchers);
     let other = ids[20];
-    let report = sweeper.run(SweepKind::Incremental).await.unwrap();
+    let report = sweeper
+        .run(SweepKind::Incremental, &CancellationToken::new())
+        .await
+        .unwrap();
     assert_eq!(report.dead_lettered, 1);
     assert_eq!(report.snapshots as usize, ids.len() - 1);
     let state = store.load_stream(VOUCHERS).unwrap();
@@ -192,7 +189,10 @@ async fn a_record_the_sink_refuses_goes_out_as_a_dead_letter_and_the_stream_comp
     sim.clear_request_log();
     assert!(sim.update(TENANT, Resource::Vouchers, other));
     assert!(sim.update(TENANT, Resource::Vouchers, victim));
-    let report = sweeper.run(SweepKind::Incremental).await.unwrap();
+    let report = sweeper
+        .run(SweepKind::Incremental, &CancellationToken::new())
+        .await
+        .unwrap();
     assert_eq!(report.dead_lettered, 0);
     let lists: Vec<_> = sim
         .request_log()
@@ -229,13 +229,21 @@ async fn a_replay_tries_a_dead_lettered_record_again_and_clears_its_mark() {
         sweeper,
         victim,
     } = harness(10, 2, OnRecordError::DeadLetter).await;
-    sweeper.run(SweepKind::Incremental).await.unwrap();
+    sweeper
+        .run(SweepKind::Incremental, &CancellationToken::new())
+        .await
+        .unwrap();
     assert_eq!(store.dead_letters(VOUCHERS).unwrap().len(), 1);
 
     sink.set_mode(FaultMode::Normal);
     sink.take();
-    schedule_replay(store.as_ref(), VOUCHERS, None).unwrap();
-    sweeper.run(SweepKind::Incremental).await.unwrap();
+    StreamLedger::new(store.as_ref(), VOUCHERS)
+        .schedule_replay(None, chrono::Utc::now())
+        .unwrap();
+    sweeper
+        .run(SweepKind::Incremental, &CancellationToken::new())
+        .await
+        .unwrap();
     let events = for_record(&sink.events(), victim);
     assert_eq!(events.len(), 1);
     assert_eq!(events[0]["op"], "snapshot");
@@ -253,7 +261,10 @@ async fn with_on_record_error_fail_a_refused_record_fails_the_sweep_as_before() 
         sweeper,
         victim: _,
     } = harness(10, 2, OnRecordError::Fail).await;
-    let err = sweeper.run(SweepKind::Incremental).await.unwrap_err();
+    let err = sweeper
+        .run(SweepKind::Incremental, &CancellationToken::new())
+        .await
+        .unwrap_err();
     assert!(matches!(err, SweepError::SinkRejected { .. }), "{err}");
     let state = store.load_stream(VOUCHERS).unwrap();
     assert_eq!(state.watermark, None);
@@ -278,7 +289,10 @@ async fn a_sink_wide_fatal_error_still_fails_the_sweep_under_dead_letter() {
         Arc::new(sink.clone()),
         OnRecordError::DeadLetter,
     );
-    let err = sweeper.run(SweepKind::Incremental).await.unwrap_err();
+    let err = sweeper
+        .run(SweepKind::Incremental, &CancellationToken::new())
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("not authorized"), "{err}");
     assert_eq!(store.load_stream(VOUCHERS).unwrap().watermark, None);
     assert!(sink.events().iter().all(|e| e.ty != EventType::DeadLetter));
@@ -309,7 +323,7 @@ async fn event_sizes(sim: &Simulator) -> (Vec<(usize, Value)>, usize, usize) {
     let dir = tempfile::tempdir().unwrap();
     let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&dir.path().join("state")).unwrap());
     sweeper(sim, store, Arc::new(dry.clone()), OnRecordError::DeadLetter)
-        .run(SweepKind::Incremental)
+        .run(SweepKind::Incremental, &CancellationToken::new())
         .await
         .unwrap();
     let mut sized: Vec<(usize, Value)> = dry
@@ -340,7 +354,7 @@ async fn a_record_larger_than_the_nats_servers_max_payload_goes_to_the_deadlette
     };
     let (_dir, store, sink) = brokers::store_and_nats_sink(&nats.url()).await;
     let report = sweeper(&sim, store.clone(), sink, OnRecordError::DeadLetter)
-        .run(SweepKind::Incremental)
+        .run(SweepKind::Incremental, &CancellationToken::new())
         .await
         .unwrap();
     assert_eq!(report.dead_lettered, 1);
@@ -395,7 +409,10 @@ async fn a_dead_letter_matches_its_published_schema() {
         store: _store,
         victim: _,
     } = harness(5, 1, OnRecordError::DeadLetter).await;
-    sweeper.run(SweepKind::Incremental).await.unwrap();
+    sweeper
+        .run(SweepKind::Incremental, &CancellationToken::new())
+        .await
+        .unwrap();
     let letters: Vec<Value> = sink
         .events()
         .iter()
@@ -444,7 +461,7 @@ async fn a_record_larger_than_kafkas_message_max_bytes_goes_to_the_dead_letter_t
         Arc::new(sink),
         OnRecordError::DeadLetter,
     )
-    .run(SweepKind::Incremental)
+    .run(SweepKind::Incremental, &CancellationToken::new())
     .await
     .unwrap();
     assert_eq!(report.dead_lettered, 1);
@@ -494,7 +511,10 @@ async fn a_2_mb_record_against_a_nats_server_with_default_limits_is_dead_lettere
     };
     let (_dir, store, sink) = brokers::store_and_nats_sink(&nats.url()).await;
     let sweeper = sweeper(&sim, store.clone(), sink, OnRecordError::DeadLetter);
-    let report = sweeper.run(SweepKind::Incremental).await.unwrap();
+    let report = sweeper
+        .run(SweepKind::Incremental, &CancellationToken::new())
+        .await
+        .unwrap();
     assert_eq!(report.dead_lettered, 1);
     assert_eq!(report.snapshots, 29);
     assert!(store.load_stream(VOUCHERS).unwrap().watermark.is_some());
@@ -518,7 +538,10 @@ async fn a_2_mb_record_against_a_nats_server_with_default_limits_is_dead_lettere
     // The record shrinks again: an ordinary update against the dead-lettered hash.
     assert!(sim.set_oversize(TENANT, Resource::Vouchers, victim, 0));
     sim.update(TENANT, Resource::Vouchers, victim);
-    sweeper.run(SweepKind::Incremental).await.unwrap();
+    sweeper
+        .run(SweepKind::Incremental, &CancellationToken::new())
+        .await
+        .unwrap();
     let messages = stored_messages(&nats.url()).await;
     let (subject, update) = messages.last().unwrap();
     assert_eq!(subject, &format!("voucher_cdc.{TENANT}.voucher.updated"));

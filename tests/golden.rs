@@ -75,16 +75,14 @@ fn a_delete_event_and_replay_frames_have_pinned_ids() {
     let data = RawValue::from_string(r#"{"id":123}"#.to_string()).unwrap();
     let delete = record_event(&RecordChange {
         stream,
-        record_id: "123",
+        record_id: 123,
         generation: 2,
         seq: 7,
         op: Op::Delete,
         updated_at: Some("2024-05-01T10:00:00.000000Z"),
-        content_hash: &content_hash(data.get(), &IgnoreKeys::default())
-            .unwrap()
-            .to_hex(),
-        previous_hash: Some("00112233445566778899aabbccddeeff"),
-        replay_id: None,
+        content_hash: content_hash(data.get(), &IgnoreKeys::default()).unwrap(),
+        previous_hash: Some("00112233445566778899aabbccddeeff".parse().unwrap()),
+        replay: None,
         data: &data,
         detected_at: Utc.with_ymd_and_hms(2024, 5, 2, 0, 0, 0).unwrap(),
     });

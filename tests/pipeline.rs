@@ -14,8 +14,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::sweeps::SweeperBuilder;
 use futures::StreamExt;
 use serde_json::Value;
+use tokio_util::sync::CancellationToken;
 use voucher_cdc::simulator::Simulator;
 use voucher_cdc::sinks::kafka::{KafkaSink, KafkaSinkConfig};
 use voucher_cdc::sinks::nats::{NatsSink, NatsSinkConfig};
@@ -23,7 +25,7 @@ use voucher_cdc::sinks::Sink;
 use voucher_cdc::state::SledStore;
 use voucher_cdc::state::StateStore;
 use voucher_cdc::stream::{Resource, StreamKey};
-use voucher_cdc::sweep::{SweepKind, SweepSettings, Sweeper};
+use voucher_cdc::sweep::{SweepKind, Sweeper};
 
 const TENANT: u64 = 1;
 
@@ -61,20 +63,14 @@ fn sweeper(
     sink: Arc<dyn Sink>,
     resource: Resource,
 ) -> Sweeper {
-    let client = common::bridge_client(sim);
-    Sweeper {
-        stream: StreamKey::new(TENANT, resource),
-        client,
-        store,
-        sink,
-        settings: Arc::new(SweepSettings {
-            sink_backoff_initial: Duration::from_millis(50),
-            sink_backoff_max: Duration::from_millis(500),
-            ..SweepSettings::default()
-        }),
-        progress: None,
-        shutdown: tokio_util::sync::CancellationToken::new(),
-    }
+    SweeperBuilder::new(sim, StreamKey::new(TENANT, resource))
+        .with_store(store)
+        .with_sink(sink)
+        .configure(|settings| {
+            settings.sink_backoff_initial = Duration::from_millis(50);
+            settings.sink_backoff_max = Duration::from_millis(500);
+        })
+        .build()
 }
 
 /// The bytes the API returns for every record of `resource`, by id.
@@ -162,7 +158,7 @@ async fn every_record_reaches_nats_jetstream_exactly_as_the_api_returned_it() {
     let (_dir, store, sink) = brokers::store_and_nats_sink(&nats.url()).await;
     for resource in Resource::ALL {
         let report = sweeper(&sim, store.clone(), sink.clone(), resource)
-            .run(SweepKind::Incremental)
+            .run(SweepKind::Incremental, &CancellationToken::new())
             .await
             .unwrap();
         assert_eq!(
@@ -217,15 +213,15 @@ async fn a_nats_server_killed_mid_sweep_and_restarted_loses_nothing() {
         inner: sink,
         failed: failed.clone(),
     });
-    let mut sweeper = sweeper(&sim, store.clone(), sink, Resource::Vouchers);
+    let sweeper = sweeper(&sim, store.clone(), sink, Resource::Vouchers);
     // After the second committed page, the server dies; it comes back once the
     // sweep's publishes have failed against it (the outage was hit, for sure).
     let killed = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    {
+    let sweeper = {
         let nats = nats.clone();
         let killed = killed.clone();
         let failed = failed.clone();
-        sweeper.progress = Some(Arc::new(move |_, _, pages| {
+        sweeper.with_progress(Arc::new(move |_, _, pages| {
             if pages == 2 && !killed.swap(true, Ordering::SeqCst) {
                 nats.lock().unwrap().kill();
                 let nats = nats.clone();
@@ -239,12 +235,15 @@ async fn a_nats_server_killed_mid_sweep_and_restarted_loses_nothing() {
                     nats.lock().unwrap().restart();
                 });
             }
-        }));
-    }
-    let report = tokio::time::timeout(Duration::from_secs(60), sweeper.run(SweepKind::Incremental))
-        .await
-        .expect("the sweep completes once the server is back")
-        .unwrap();
+        }))
+    };
+    let report = tokio::time::timeout(
+        Duration::from_secs(60),
+        sweeper.run(SweepKind::Incremental, &CancellationToken::new()),
+    )
+    .await
+    .expect("the sweep completes once the server is back")
+    .unwrap();
     assert!(killed.load(Ordering::SeqCst));
     assert!(
         failed.load(Ordering::SeqCst) > 0,
@@ -292,7 +291,7 @@ async fn every_record_reaches_a_real_kafka_broker_exactly_as_the_api_returned_it
     let sink: Arc<dyn Sink> = Arc::new(KafkaSink::new(&config, &streams).await.unwrap());
     for resource in Resource::ALL {
         sweeper(&sim, store.clone(), sink.clone(), resource)
-            .run(SweepKind::Incremental)
+            .run(SweepKind::Incremental, &CancellationToken::new())
             .await
             .unwrap();
     }
@@ -302,7 +301,7 @@ async fn every_record_reaches_a_real_kafka_broker_exactly_as_the_api_returned_it
     let gone = sim.record_ids(TENANT, Resource::Vouchers)[0];
     sim.delete(TENANT, Resource::Vouchers, gone);
     sweeper(&sim, store.clone(), sink.clone(), Resource::Vouchers)
-        .run(SweepKind::Full)
+        .run(SweepKind::Full, &CancellationToken::new())
         .await
         .unwrap();
     sink.flush().await.unwrap();

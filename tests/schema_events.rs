@@ -9,8 +9,9 @@ mod schema;
 use chrono::{TimeZone, Utc};
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
-use voucher_cdc::diff::{content_hash, IgnoreKeys};
+use voucher_cdc::diff::{content_hash, ContentHash, IgnoreKeys};
 use voucher_cdc::event::{record_event, replay_event, Event, Op, RecordChange};
+use voucher_cdc::state::replay_id_bytes;
 use voucher_cdc::stream::{Resource, StreamKey};
 
 use schema::{assert_valid_event, event_schema, validate_event_json};
@@ -19,19 +20,17 @@ const VOUCHER: &str = r#"{"id":123,"slug":"spa-day","title":"Spa day for two","s
 const CATEGORY: &str = r#"{"id":7,"slug":"spa","title":"Spa","sort_order":1,"updated_at":"2025-03-01T09:00:00Z","summary":"","description_html":"","image_url":"","products":[{"id":123,"slug":"spa-day","title":"Spa day for two","price":120.0,"sale_price":99.0,"sort_order":1}]}"#;
 
 /// The content hash the sweep computes (canonical JSON, `updated_at` ignored).
-fn hash_of(json: &str) -> String {
-    content_hash(json, &IgnoreKeys::new(["updated_at"]))
-        .unwrap()
-        .to_hex()
+fn hash_of(json: &str) -> ContentHash {
+    content_hash(json, &IgnoreKeys::new(["updated_at"])).unwrap()
 }
 
 fn raw(json: &str) -> Box<RawValue> {
     RawValue::from_string(json.to_string()).unwrap()
 }
 
-fn record_id_of(data: &str) -> String {
+fn record_id_of(data: &str) -> i64 {
     let value: Value = serde_json::from_str(data).unwrap();
-    value["id"].to_string()
+    value["id"].as_i64().unwrap()
 }
 
 /// Builds the event for `op` on `data` in `resource`, as the sweep would.
@@ -46,18 +45,18 @@ fn change_event(resource: Resource, op: Op, data: &str, replay_id: Option<&str>)
     };
     let content_hash = hash_of(data);
     let previous_hash = hash_of(r#"{"id":0,"title":"the previous version"}"#);
-    let previous = matches!(op, Op::Update | Op::Delete).then_some(previous_hash.as_str());
+    let previous = matches!(op, Op::Update | Op::Delete).then_some(previous_hash);
     let data = raw(data);
     record_event(&RecordChange {
         stream,
-        record_id: &record_id,
+        record_id,
         generation: 0,
         seq: 0,
         op,
         updated_at,
-        content_hash: &content_hash,
+        content_hash,
         previous_hash: previous,
-        replay_id,
+        replay: replay_id.map(|id| replay_id_bytes(id).unwrap()),
         data: &data,
         detected_at: Utc.with_ymd_and_hms(2025, 3, 1, 10, 0, 5).unwrap(),
     })
@@ -73,7 +72,12 @@ fn all_record_events() -> Vec<Event> {
         events.push(change_event(resource, Op::Create, data, None));
         events.push(change_event(resource, Op::Update, data, None));
         events.push(change_event(resource, Op::Snapshot, data, None));
-        events.push(change_event(resource, Op::Snapshot, data, Some("r-01hq3")));
+        events.push(change_event(
+            resource,
+            Op::Snapshot,
+            data,
+            Some("0123456789abcdef0123456789abcdef"),
+        ));
         events.push(change_event(resource, Op::Delete, data, None));
     }
     events
@@ -85,8 +89,22 @@ fn all_replay_events() -> Vec<Event> {
     let mut events = Vec::new();
     for resource in Resource::ALL {
         let stream = StreamKey::new(42, resource);
-        events.push(replay_event(stream, "r-01hq3", None, false, 0, now));
-        events.push(replay_event(stream, "r-01hq3", None, true, 1250, now));
+        events.push(replay_event(
+            stream,
+            "0123456789abcdef0123456789abcdef",
+            None,
+            false,
+            0,
+            now,
+        ));
+        events.push(replay_event(
+            stream,
+            "0123456789abcdef0123456789abcdef",
+            None,
+            true,
+            1250,
+            now,
+        ));
         let since = Some("2025-02-01T00:00:00Z");
         events.push(replay_event(stream, "r-01hq4", since, false, 0, now));
         events.push(replay_event(stream, "r-01hq4", since, true, 3, now));
@@ -141,7 +159,7 @@ fn update_and_delete_events_carry_the_previous_hash_and_snapshots_of_a_replay_it
     assert_eq!(update["op"], "update");
     assert_eq!(
         update["previoushash"],
-        hash_of(r#"{"id":0,"title":"the previous version"}"#)
+        hash_of(r#"{"id":0,"title":"the previous version"}"#).to_hex()
     );
     let delete = as_json(&change_event(Resource::Vouchers, Op::Delete, VOUCHER, None));
     assert_eq!(delete["type"], "voucher.deleted");
@@ -150,9 +168,9 @@ fn update_and_delete_events_carry_the_previous_hash_and_snapshots_of_a_replay_it
         Resource::Categories,
         Op::Snapshot,
         CATEGORY,
-        Some("r-01hq3"),
+        Some("0123456789abcdef0123456789abcdef"),
     ));
-    assert_eq!(replayed["replayid"], "r-01hq3");
+    assert_eq!(replayed["replayid"], "0123456789abcdef0123456789abcdef");
     assert_eq!(replayed["data"]["products"][0]["id"], 123);
 }
 

@@ -12,17 +12,21 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use common::sweeps::SweeperBuilder;
 use serde_json::Value;
+use tokio_util::sync::CancellationToken;
 use voucher_cdc::diff::{content_hash, IgnoreKeys};
 use voucher_cdc::simulator::Simulator;
 use voucher_cdc::sinks::testing::{FaultMode, TestSink};
 use voucher_cdc::sinks::Sink;
 use voucher_cdc::state::SledStore;
+use voucher_cdc::state::StreamLedger;
 use voucher_cdc::state::{
-    DeadLetter, Intent, RecordState, StateError, StateStore, StreamState, Tombstone,
+    Acked, DeadLetter, DeleteCommit, Intent, PageCommit, RecordState, StateError, StateStore,
+    StreamState, Tombstone,
 };
 use voucher_cdc::stream::{Resource, StreamKey};
-use voucher_cdc::sweep::{schedule_replay, SweepError, SweepKind, SweepSettings, Sweeper};
+use voucher_cdc::sweep::{SweepError, SweepKind, SweepSettings, Sweeper};
 use voucher_cdc::upstream::client::UpstreamClient;
 
 const V: Resource = Resource::Vouchers;
@@ -67,21 +71,21 @@ impl Harness {
     }
 
     fn sweeper_with(&self, stream: StreamKey, store: Arc<dyn StateStore>) -> Sweeper {
-        Sweeper {
-            stream,
-            client: self.client.clone(),
-            store,
-            sink: Arc::new(self.sink.clone()) as Arc<dyn Sink>,
-            settings: Arc::new(self.settings.clone()),
-            progress: None,
-            shutdown: tokio_util::sync::CancellationToken::new(),
-        }
+        self.builder(stream).with_store(store).build()
+    }
+
+    /// A builder with the harness's client, store, sink and settings.
+    fn builder(&self, stream: StreamKey) -> SweeperBuilder {
+        SweeperBuilder::with_client(self.client.clone(), stream)
+            .with_store(self.store.clone())
+            .with_sink(Arc::new(self.sink.clone()) as Arc<dyn Sink>)
+            .with_settings(self.settings.clone())
     }
 
     async fn sweep(&self, tenant: u64, resource: Resource, kind: SweepKind) -> Vec<Value> {
         self.sink.take();
         self.sweeper(StreamKey::new(tenant, resource))
-            .run(kind)
+            .run(kind, &CancellationToken::new())
             .await
             .expect("sweep succeeds");
         self.sink.take().iter().map(json).collect()
@@ -131,7 +135,11 @@ async fn initial_sync_emits_every_record_exactly_once_as_snapshot_with_the_api_b
     for resource in [V, C] {
         let stream = StreamKey::new(1, resource);
         h.sink.take();
-        let report = h.sweeper(stream).run(SweepKind::Incremental).await.unwrap();
+        let report = h
+            .sweeper(stream)
+            .run(SweepKind::Incremental, &CancellationToken::new())
+            .await
+            .unwrap();
         let events = h.sink.take();
         let mut expected = h.sim.record_ids(1, resource);
         expected.sort();
@@ -256,7 +264,11 @@ async fn a_full_sweep_refuses_to_delete_more_than_the_configured_fraction() {
         h.sim.delete(1, V, id);
     }
     h.sink.take();
-    let err = h.sweeper(stream).run(SweepKind::Full).await.unwrap_err();
+    let err = h
+        .sweeper(stream)
+        .run(SweepKind::Full, &CancellationToken::new())
+        .await
+        .unwrap_err();
     assert!(
         matches!(
             err,
@@ -342,18 +354,22 @@ async fn a_record_updated_while_the_sweep_pages_ends_with_its_latest_version_com
     let target = ids[0];
     let sim = h.sim.clone();
     let calls = Arc::new(AtomicUsize::new(0));
-    let mut sweeper = h.sweeper(stream);
-    {
+    let sweeper = {
         let sim = sim.clone();
         let calls = calls.clone();
-        sweeper.progress = Some(Arc::new(move |_, _, _| {
-            if calls.fetch_add(1, Ordering::SeqCst) == 0 {
-                sim.update(1, V, target);
-            }
-        }));
-    }
+        h.builder(stream)
+            .with_progress(Arc::new(move |_, _, _| {
+                if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                    sim.update(1, V, target);
+                }
+            }))
+            .build()
+    };
     h.sink.take();
-    sweeper.run(SweepKind::Incremental).await.unwrap();
+    sweeper
+        .run(SweepKind::Incremental, &CancellationToken::new())
+        .await
+        .unwrap();
     let events: Vec<Value> = h.sink.take().iter().map(json).collect();
     assert!(events
         .iter()
@@ -374,7 +390,9 @@ async fn replay_re_emits_every_record_of_one_stream_and_nothing_of_the_others() 
     for s in streams {
         h.sweep(s.tenant, s.resource, SweepKind::Incremental).await;
     }
-    let replay_id = schedule_replay(h.store.as_ref(), StreamKey::new(2, V), None).unwrap();
+    let replay_id = StreamLedger::new(h.store.as_ref(), StreamKey::new(2, V))
+        .schedule_replay(None, Utc::now())
+        .unwrap();
     for s in streams {
         let events = h.sweep(s.tenant, s.resource, SweepKind::Incremental).await;
         if s != StreamKey::new(2, V) {
@@ -404,7 +422,11 @@ async fn a_retriable_sink_outage_is_waited_out_without_committing() {
     let stream = StreamKey::new(1, V);
     h.sink.set_mode(FaultMode::Down);
     let sweeper = h.sweeper(stream);
-    let task = tokio::spawn(async move { sweeper.run(SweepKind::Incremental).await });
+    let task = tokio::spawn(async move {
+        sweeper
+            .run(SweepKind::Incremental, &CancellationToken::new())
+            .await
+    });
     // The outage is really hit: the sink is called (and fails) several times.
     let sink = h.sink.clone();
     common::wait_until(
@@ -506,17 +528,9 @@ impl StateStore for HookedStore {
         (self.hook)("pending_intents")?;
         self.inner.pending_intents(key)
     }
-    fn commit_page_with_dead_letters(
-        &self,
-        key: StreamKey,
-        commits: &[(i64, RecordState)],
-        seen: &[i64],
-        epoch: u64,
-        dead_letters: &[(i64, DeadLetter)],
-    ) -> Result<(), StateError> {
+    fn commit_page(&self, key: StreamKey, page: &Acked<PageCommit>) -> Result<(), StateError> {
         (self.hook)("commit_page")?;
-        self.inner
-            .commit_page_with_dead_letters(key, commits, seen, epoch, dead_letters)
+        self.inner.commit_page(key, page)
     }
     fn dead_letters(&self, key: StreamKey) -> Result<Vec<(i64, DeadLetter)>, StateError> {
         (self.hook)("dead_letters")?;
@@ -537,7 +551,7 @@ impl StateStore for HookedStore {
     fn commit_deletes(
         &self,
         key: StreamKey,
-        deletes: &[(i64, Tombstone)],
+        deletes: &Acked<DeleteCommit>,
     ) -> Result<(), StateError> {
         (self.hook)("commit_deletes")?;
         self.inner.commit_deletes(key, deletes)
@@ -631,7 +645,7 @@ async fn a_crash_at_every_store_step_never_loses_a_change_and_republishes_with_t
     let calls = Arc::new(AtomicUsize::new(0));
     let counting = crashing_store(h.store.clone(), usize::MAX, calls.clone());
     h.sweeper_with(StreamKey::new(1, V), counting.clone())
-        .run(SweepKind::Full)
+        .run(SweepKind::Full, &CancellationToken::new())
         .await
         .expect("the reference sweep succeeds");
     let steps = calls.load(Ordering::SeqCst);
@@ -645,7 +659,10 @@ async fn a_crash_at_every_store_step_never_loses_a_change_and_republishes_with_t
         let stream = StreamKey::new(1, V);
         let crashing = crashing_store(h.store.clone(), fail_at, Arc::default());
         h.sink.take();
-        let crashed = h.sweeper_with(stream, crashing).run(SweepKind::Full).await;
+        let crashed = h
+            .sweeper_with(stream, crashing)
+            .run(SweepKind::Full, &CancellationToken::new())
+            .await;
         assert!(
             crashed.is_err(),
             "step {fail_at} of {steps} was not crashed"
@@ -670,7 +687,11 @@ async fn dropping_the_sweep_at_every_publish_never_loses_a_change() {
         let sweeper = h.sweeper(stream);
         // The sink keeps failing, the sweep keeps retrying: the process dies
         // once the failure was really hit (an explicit point, not a timer).
-        let mut run = Box::pin(async move { sweeper.run(SweepKind::Incremental).await });
+        let mut run = Box::pin(async move {
+            sweeper
+                .run(SweepKind::Incremental, &CancellationToken::new())
+                .await
+        });
         let sink = h.sink.clone();
         let failing =
             common::wait_until("the sink failed an event", Duration::from_secs(60), || {
@@ -720,7 +741,7 @@ async fn a_published_create_whose_commit_was_lost_is_deleted_when_the_record_van
     h.sink.take();
     assert!(h
         .sweeper_with(stream, crashing)
-        .run(SweepKind::Incremental)
+        .run(SweepKind::Incremental, &CancellationToken::new())
         .await
         .is_err());
     let acked: Vec<Value> = h.sink.take().iter().map(json).collect();
@@ -749,13 +770,19 @@ async fn a_replay_interrupted_between_pages_resumes_without_re_emitting_under_ne
     // Changed before the replay: their snapshots carry a new hash and sequence.
     h.sim.update_silently(1, V, ids[3]);
     h.sim.update_silently(1, V, ids[120]);
-    let replay_id = schedule_replay(h.store.as_ref(), stream, None).unwrap();
+    let replay_id = StreamLedger::new(h.store.as_ref(), stream)
+        .schedule_replay(None, Utc::now())
+        .unwrap();
 
     // Shutdown arrives while the first page is in flight: the page commits, the sweep stops.
     h.sink.take();
     let sweeper = h.sweeper(stream);
-    sweeper.shutdown.cancel();
-    let err = sweeper.run(SweepKind::Incremental).await.unwrap_err();
+    let shutdown = CancellationToken::new();
+    shutdown.cancel();
+    let err = sweeper
+        .run(SweepKind::Incremental, &shutdown)
+        .await
+        .unwrap_err();
     assert!(matches!(err, SweepError::Interrupted), "{err}");
     let first: Vec<Value> = h.sink.take().iter().map(json).collect();
     assert_eq!(first[0]["type"], "replay.started");
@@ -807,7 +834,11 @@ async fn a_replay_that_finds_most_records_gone_deletes_them_once_confirmed_and_d
         h.sim.delete(1, V, *id);
     }
     // A normal full sweep refuses (the guard), and says how to go on.
-    let err = h.sweeper(stream).run(SweepKind::Full).await.unwrap_err();
+    let err = h
+        .sweeper(stream)
+        .run(SweepKind::Full, &CancellationToken::new())
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("voucher-cdc replay"), "{err}");
     let state = h.store.load_stream(stream).unwrap();
     assert_eq!(state.full_sweep_failures, 1);
@@ -828,7 +859,9 @@ async fn a_replay_that_finds_most_records_gone_deletes_them_once_confirmed_and_d
 
     // The advice works: the replay confirms each delete and completes.
     h.sim.clear_request_log();
-    schedule_replay(h.store.as_ref(), stream, None).unwrap();
+    StreamLedger::new(h.store.as_ref(), stream)
+        .schedule_replay(None, Utc::now())
+        .unwrap();
     let events = h.sweep(1, V, SweepKind::Incremental).await;
     let deletes: Vec<i64> = subjects(
         &events
@@ -945,15 +978,16 @@ async fn a_cursor_cycle_or_an_endless_listing_fails_the_sweep_and_keeps_the_wate
         h.sim.set_listing_fault(Some(fault));
         let mut settings = h.settings.clone();
         settings.max_pages_floor = 20;
-        let sweeper = Sweeper {
-            settings: Arc::new(settings),
-            ..h.sweeper(stream)
-        };
+        let sweeper = h.builder(stream).with_settings(settings).build();
         h.sim.clear_request_log();
-        let err = tokio::time::timeout(Duration::from_secs(60), sweeper.run(SweepKind::Full))
-            .await
-            .expect("the sweep ends")
-            .unwrap_err();
+        let cancel = CancellationToken::new();
+        let err = tokio::time::timeout(
+            Duration::from_secs(60),
+            sweeper.run(SweepKind::Full, &cancel),
+        )
+        .await
+        .expect("the sweep ends")
+        .unwrap_err();
         let message = err.to_string();
         assert!(
             message.contains("/tenants/1/catalog/vouchers does not end")
@@ -988,7 +1022,11 @@ async fn a_revert_after_an_unacknowledged_page_is_published_against_the_version_
         error: voucher_cdc::sinks::SinkError::Fatal("rejected".into()),
     });
     h.sink.take();
-    assert!(h.sweeper(stream).run(SweepKind::Incremental).await.is_err());
+    assert!(h
+        .sweeper(stream)
+        .run(SweepKind::Incremental, &CancellationToken::new())
+        .await
+        .is_err());
     let seen: Vec<Value> = h.sink.take().iter().map(json).collect();
     let published = seen
         .iter()
@@ -1064,7 +1102,7 @@ async fn a_record_missing_from_the_listing_but_found_by_its_get_is_not_deleted()
     });
     h.sink.take();
     h.sweeper_with(stream, store)
-        .run(SweepKind::Full)
+        .run(SweepKind::Full, &CancellationToken::new())
         .await
         .unwrap();
     let events: Vec<Value> = h.sink.take().iter().map(json).collect();
@@ -1089,7 +1127,7 @@ async fn a_delete_whose_commit_was_lost_and_whose_record_comes_back_identical_is
     h.sink.take();
     assert!(h
         .sweeper_with(stream, crashing)
-        .run(SweepKind::Full)
+        .run(SweepKind::Full, &CancellationToken::new())
         .await
         .is_err());
     let deleted: Vec<Value> = h.sink.take().iter().map(json).collect();
@@ -1123,7 +1161,10 @@ async fn the_delete_guard_allows_exactly_the_configured_fraction_and_refuses_one
             h.sim.delete(1, V, id);
         }
         h.sink.take();
-        let result = h.sweeper(stream).run(SweepKind::Full).await;
+        let result = h
+            .sweeper(stream)
+            .run(SweepKind::Full, &CancellationToken::new())
+            .await;
         let events: Vec<Value> = h.sink.take().iter().map(json).collect();
         if refused {
             assert!(
@@ -1151,10 +1192,11 @@ async fn a_first_sync_resumed_after_most_of_its_records_vanished_deletes_them_un
     let stream = StreamKey::new(1, V);
     // The first sync stops after its first page (shutdown).
     let sweeper = h.sweeper(stream);
-    sweeper.shutdown.cancel();
+    let shutdown = CancellationToken::new();
+    shutdown.cancel();
     h.sink.take();
     assert!(matches!(
-        sweeper.run(SweepKind::Incremental).await,
+        sweeper.run(SweepKind::Incremental, &shutdown).await,
         Err(SweepError::Interrupted)
     ));
     let first_page: Vec<Value> = h.sink.take().iter().map(json).collect();

@@ -15,6 +15,7 @@ use chrono::{TimeZone, Utc};
 use serde_json::value::RawValue;
 
 use super::{Ack, Sink, SinkError};
+use crate::diff::ContentHash;
 use crate::event::{record_event, Event, Op, RecordChange};
 use crate::stream::StreamKey;
 
@@ -240,22 +241,22 @@ impl Sink for TestSink {
 
 /// A realistic `voucher.updated` event for record `id` of `stream` (tests of sinks).
 pub fn sample_event(stream: StreamKey, id: i64) -> Event {
-    let record_id = id.to_string();
     let data =
         format!(r#"{{"id":{id},"slug":"voucher-{id}","title":"Voucher {id}","price":25.0}}"#);
     // The text above is valid JSON for every i64; fall back to `null` regardless.
     let data = RawValue::from_string(data).unwrap_or_else(|_| RawValue::NULL.to_owned());
-    let hash = blake3::hash(data.get().as_bytes()).to_hex();
+    let mut hash = [0u8; 16];
+    hash.copy_from_slice(&blake3::hash(data.get().as_bytes()).as_bytes()[..16]);
     record_event(&RecordChange {
         stream,
-        record_id: &record_id,
+        record_id: id,
         generation: 0,
         seq: 0,
         op: Op::Create,
         updated_at: Some("2024-05-01T10:00:00Z"),
-        content_hash: &hash[..32],
+        content_hash: ContentHash(hash),
         previous_hash: None,
-        replay_id: None,
+        replay: None,
         data: &data,
         detected_at: Utc
             .timestamp_opt(1_714_557_600, 0)

@@ -7,8 +7,10 @@
 //! The production implementation is [`SledStore`]; docs/state.md describes
 //! its on-disk layout.
 
+mod acked;
 mod codec;
 mod journal;
+pub mod ledger;
 mod sled_store;
 
 use std::path::PathBuf;
@@ -20,6 +22,8 @@ use crate::diff::ContentHash;
 use crate::event::Op;
 use crate::stream::StreamKey;
 
+pub use acked::{Acked, DeleteCommit, Delivery, NotAcknowledged, PageCommit};
+pub use ledger::{StreamLedger, SweepKind, SweepPlan};
 pub use sled_store::{SledStore, LAYOUT_MARKER, LAYOUT_VERSION};
 
 /// A scheduled or running replay of one stream.
@@ -247,30 +251,11 @@ pub trait StateStore: Send + Sync + 'static {
     fn write_intents(&self, key: StreamKey, intents: &[(i64, Intent)]) -> Result<(), StateError>;
     /// Intents not yet cleared by a commit or delete, in id order.
     fn pending_intents(&self, key: StreamKey) -> Result<Vec<(i64, Intent)>, StateError>;
-    /// One atomic batch: upsert `commits`, remove their intents and tombstones, and set
-    /// `seen_epoch = epoch` on the `seen` ids that exist (unchanged records seen by a full sweep).
-    /// Every committed id loses a dead-letter mark it had.
-    fn commit_page(
-        &self,
-        key: StreamKey,
-        commits: &[(i64, RecordState)],
-        seen: &[i64],
-        epoch: u64,
-    ) -> Result<(), StateError> {
-        self.commit_page_with_dead_letters(key, commits, seen, epoch, &[])
-    }
-    /// Like [`StateStore::commit_page`], in the same one batch, and marks the
-    /// `dead_letters` ids (a subset of the `commits` ids) as dead-lettered;
-    /// every other committed id loses its mark. Required, so that no store
-    /// (or wrapper of one) can drop the marks by falling back to a default.
-    fn commit_page_with_dead_letters(
-        &self,
-        key: StreamKey,
-        commits: &[(i64, RecordState)],
-        seen: &[i64],
-        epoch: u64,
-        dead_letters: &[(i64, DeadLetter)],
-    ) -> Result<(), StateError>;
+    /// One atomic batch: upsert the page's acknowledged records, remove their
+    /// intents and tombstones, mark its dead-lettered records (every other
+    /// committed id loses a mark it had), and set `seen_epoch = epoch` on the
+    /// `seen` ids that exist (unchanged records seen by a full sweep).
+    fn commit_page(&self, key: StreamKey, page: &Acked<PageCommit>) -> Result<(), StateError>;
     /// The stream's dead-lettered records, in id order.
     fn dead_letters(&self, key: StreamKey) -> Result<Vec<(i64, DeadLetter)>, StateError>;
     /// Records with `seen_epoch < epoch`, in id order.
@@ -281,12 +266,12 @@ pub trait StateStore: Send + Sync + 'static {
     ) -> Result<Vec<(i64, RecordState)>, StateError>;
     /// Number of committed records of the stream.
     fn record_count(&self, key: StreamKey) -> Result<u64, StateError>;
-    /// One atomic batch: remove the records, their dead-letter marks and any
-    /// intents for these ids, write the tombstones.
+    /// One atomic batch: remove the acknowledged deletes' records, their
+    /// dead-letter marks and any intents for these ids, write the tombstones.
     fn commit_deletes(
         &self,
         key: StreamKey,
-        deletes: &[(i64, Tombstone)],
+        deletes: &Acked<DeleteCommit>,
     ) -> Result<(), StateError>;
     /// Makes every write so far durable on disk.
     fn flush(&self) -> Result<(), StateError>;

@@ -19,7 +19,10 @@ use super::codec::{
     self, Bucket, KIND_COUNT, KIND_DEAD_LETTER, KIND_JOURNAL, KIND_RECORD, KIND_TOMBSTONE,
 };
 use super::journal::{JournalPlan, StreamJournal};
-use super::{DeadLetter, Intent, RecordState, StateError, StateStore, StreamState, Tombstone};
+use super::{
+    Acked, DeadLetter, DeleteCommit, Intent, PageCommit, RecordState, StateError, StateStore,
+    StreamState, Tombstone,
+};
 use crate::stream::StreamKey;
 
 /// The on-disk layout this build writes.
@@ -442,14 +445,14 @@ impl StateStore for SledStore {
         Ok(out)
     }
 
-    fn commit_page_with_dead_letters(
-        &self,
-        key: StreamKey,
-        commits: &[(i64, RecordState)],
-        seen: &[i64],
-        epoch: u64,
-        dead_letters: &[(i64, DeadLetter)],
-    ) -> Result<(), StateError> {
+    fn commit_page(&self, key: StreamKey, page: &Acked<PageCommit>) -> Result<(), StateError> {
+        let PageCommit {
+            records: commits,
+            dead_letters,
+            seen,
+            epoch,
+        } = page.batch();
+        let epoch = *epoch;
         let letters: HashMap<i64, &DeadLetter> =
             dead_letters.iter().map(|(id, l)| (*id, l)).collect();
         let journal = self.journal(key)?;
@@ -526,8 +529,9 @@ impl StateStore for SledStore {
     fn commit_deletes(
         &self,
         key: StreamKey,
-        deletes: &[(i64, Tombstone)],
+        deletes: &Acked<DeleteCommit>,
     ) -> Result<(), StateError> {
+        let deletes = &deletes.batch().tombstones;
         if deletes.is_empty() {
             return Ok(());
         }
@@ -679,7 +683,7 @@ fn map_io_error(path: PathBuf, source: io::Error) -> StateError {
 mod tests {
     use super::*;
     use crate::diff::ContentHash;
-    use crate::state::ReplayState;
+    use crate::state::{Delivery, ReplayState};
     use crate::stream::Resource;
     use chrono::TimeZone;
 
@@ -698,6 +702,30 @@ mod tests {
 
     fn h(byte: u8) -> ContentHash {
         ContentHash([byte; 16])
+    }
+
+    /// Commits as the sweep does once every event of the batch is acknowledged.
+    impl SledStore {
+        fn commit_records(
+            &self,
+            key: StreamKey,
+            commits: &[(i64, RecordState)],
+            seen: &[i64],
+            epoch: u64,
+        ) -> Result<(), StateError> {
+            let acks = vec![Delivery::Acknowledged; commits.len()];
+            let page = Acked::page(commits.to_vec(), acks, seen.to_vec(), epoch).unwrap();
+            self.commit_page(key, &page)
+        }
+
+        fn delete_records(
+            &self,
+            key: StreamKey,
+            deletes: &[(i64, Tombstone)],
+        ) -> Result<(), StateError> {
+            let acks = vec![Delivery::Acknowledged; deletes.len()];
+            self.commit_deletes(key, &Acked::deletes(deletes.to_vec(), &acks).unwrap())
+        }
     }
 
     fn record(byte: u8, seen_epoch: u64) -> RecordState {
@@ -793,7 +821,7 @@ mod tests {
             .write_intents(VOUCHERS, &[(1, intent(1)), (2, intent(2)), (3, intent(3))])
             .unwrap();
         store
-            .commit_deletes(VOUCHERS, &[(2, tombstone(9, 1))])
+            .delete_records(VOUCHERS, &[(2, tombstone(9, 1))])
             .unwrap();
         // The delete cleared the intent of record 2.
         assert_eq!(
@@ -801,7 +829,7 @@ mod tests {
             vec![(1, intent(1)), (3, intent(3))]
         );
         store
-            .commit_page(VOUCHERS, &[(1, record(1, 0)), (2, record(2, 0))], &[], 0)
+            .commit_records(VOUCHERS, &[(1, record(1, 0)), (2, record(2, 0))], &[], 0)
             .unwrap();
         assert_eq!(
             store.get_records(VOUCHERS, &[2, 3, 1]).unwrap(),
@@ -814,7 +842,7 @@ mod tests {
         assert_eq!(store.get_tombstones(VOUCHERS, &[2]).unwrap(), vec![None]);
         // Upsert replaces.
         store
-            .commit_page(VOUCHERS, &[(1, record(7, 0))], &[], 0)
+            .commit_records(VOUCHERS, &[(1, record(7, 0))], &[], 0)
             .unwrap();
         assert_eq!(
             store.get_records(VOUCHERS, &[1]).unwrap(),
@@ -837,10 +865,10 @@ mod tests {
                 .unwrap();
             store.write_intents(CATEGORIES, &[(1, intent(9))]).unwrap();
             store
-                .commit_page(VOUCHERS, &[(1, record(1, 0))], &[], 0)
+                .commit_records(VOUCHERS, &[(1, record(1, 0))], &[], 0)
                 .unwrap();
             store
-                .commit_deletes(VOUCHERS, &[(4, tombstone(4, 1))])
+                .delete_records(VOUCHERS, &[(4, tombstone(4, 1))])
                 .unwrap();
             assert_eq!(
                 store.pending_intents(VOUCHERS).unwrap(),
@@ -858,7 +886,7 @@ mod tests {
             vec![(1, intent(9))]
         );
         store
-            .commit_page(VOUCHERS, &[(2, record(2, 0)), (3, record(3, 0))], &[], 0)
+            .commit_records(VOUCHERS, &[(2, record(2, 0)), (3, record(3, 0))], &[], 0)
             .unwrap();
         assert!(store.pending_intents(VOUCHERS).unwrap().is_empty());
         // No journal entry is left behind once every intent was cleared.
@@ -873,7 +901,7 @@ mod tests {
     fn seen_ids_get_the_epoch_only_when_they_exist_and_commits_win_over_seen() {
         let store = SledStore::open_temporary().unwrap();
         store
-            .commit_page(
+            .commit_records(
                 VOUCHERS,
                 &[(1, record(1, 1)), (2, record(2, 1)), (3, record(3, 1))],
                 &[],
@@ -881,7 +909,7 @@ mod tests {
             )
             .unwrap();
         store
-            .commit_page(VOUCHERS, &[(3, record(33, 2))], &[1, 3, 99], 2)
+            .commit_records(VOUCHERS, &[(3, record(33, 2))], &[1, 3, 99], 2)
             .unwrap();
         assert_eq!(
             store.get_records(VOUCHERS, &[1, 2, 3, 99]).unwrap(),
@@ -904,11 +932,11 @@ mod tests {
     fn commit_deletes_removes_records_and_intents_and_writes_tombstones() {
         let store = SledStore::open_temporary().unwrap();
         store
-            .commit_page(VOUCHERS, &[(1, record(1, 0)), (-2, record(2, 0))], &[], 0)
+            .commit_records(VOUCHERS, &[(1, record(1, 0)), (-2, record(2, 0))], &[], 0)
             .unwrap();
         store.write_intents(VOUCHERS, &[(1, intent(5))]).unwrap();
         store
-            .commit_deletes(VOUCHERS, &[(1, tombstone(1, 1)), (-2, tombstone(2, 3))])
+            .delete_records(VOUCHERS, &[(1, tombstone(1, 1)), (-2, tombstone(2, 3))])
             .unwrap();
         assert_eq!(
             store.get_records(VOUCHERS, &[1, -2]).unwrap(),
@@ -922,7 +950,7 @@ mod tests {
         assert_eq!(store.record_count(VOUCHERS).unwrap(), 0);
         // Re-creating the record clears its tombstone.
         store
-            .commit_page(VOUCHERS, &[(1, record(1, 0))], &[], 0)
+            .commit_records(VOUCHERS, &[(1, record(1, 0))], &[], 0)
             .unwrap();
         assert_eq!(store.get_tombstones(VOUCHERS, &[1]).unwrap(), vec![None]);
     }
@@ -932,9 +960,9 @@ mod tests {
         let store = SledStore::open_temporary().unwrap();
         let ids = [-33, -32, -1, 0, 31, 32, 33, 64];
         let commits: Vec<_> = ids.iter().map(|&id| (id, record(id as u8, 0))).collect();
-        store.commit_page(VOUCHERS, &commits, &[], 0).unwrap();
+        store.commit_records(VOUCHERS, &commits, &[], 0).unwrap();
         store
-            .commit_deletes(
+            .delete_records(
                 VOUCHERS,
                 &[
                     (32, tombstone(1, 1)),
@@ -967,11 +995,11 @@ mod tests {
     fn streams_never_see_each_others_records() {
         let store = SledStore::open_temporary().unwrap();
         store
-            .commit_page(VOUCHERS, &[(1, record(1, 0))], &[], 0)
+            .commit_records(VOUCHERS, &[(1, record(1, 0))], &[], 0)
             .unwrap();
         store.write_intents(CATEGORIES, &[(1, intent(2))]).unwrap();
         store
-            .commit_deletes(OTHER_TENANT, &[(1, tombstone(3, 1))])
+            .delete_records(OTHER_TENANT, &[(1, tombstone(3, 1))])
             .unwrap();
         assert_eq!(store.get_records(CATEGORIES, &[1]).unwrap(), vec![None]);
         assert_eq!(store.get_records(OTHER_TENANT, &[1]).unwrap(), vec![None]);
@@ -988,7 +1016,7 @@ mod tests {
         let store = SledStore::open_temporary().unwrap();
         let ids = [300, -5, 0, 2, i64::MIN, i64::MAX, 17];
         let commits: Vec<_> = ids.iter().map(|&id| (id, record(1, 0))).collect();
-        store.commit_page(VOUCHERS, &commits, &[], 0).unwrap();
+        store.commit_records(VOUCHERS, &commits, &[], 0).unwrap();
         let intents: Vec<_> = ids.iter().map(|&id| (id, intent(1))).collect();
         store.write_intents(VOUCHERS, &intents).unwrap();
         let mut sorted = ids.to_vec();
@@ -1020,11 +1048,11 @@ mod tests {
             let store = open(&dir);
             store.save_stream(VOUCHERS, &state).unwrap();
             store
-                .commit_page(VOUCHERS, &[(1, record(1, 3))], &[], 3)
+                .commit_records(VOUCHERS, &[(1, record(1, 3))], &[], 3)
                 .unwrap();
             store.write_intents(VOUCHERS, &[(2, intent(2))]).unwrap();
             store
-                .commit_deletes(VOUCHERS, &[(3, tombstone(3, 1))])
+                .delete_records(VOUCHERS, &[(3, tombstone(3, 1))])
                 .unwrap();
             store.flush().unwrap();
         }
@@ -1086,7 +1114,7 @@ mod tests {
                     }
                     Op::Commit(list, seen, epoch) => {
                         let list: Vec<_> = list.into_iter().map(|(id, b)| (id, record(b, epoch))).collect();
-                        store.commit_page(VOUCHERS, &list, &seen, epoch).unwrap();
+                        store.commit_records(VOUCHERS, &list, &seen, epoch).unwrap();
                         for id in &seen {
                             if let Some(r) = records.get_mut(id) {
                                 r.seen_epoch = epoch;
@@ -1100,7 +1128,7 @@ mod tests {
                     }
                     Op::Delete(list) => {
                         let list: Vec<_> = list.into_iter().map(|(id, b)| (id, tombstone(b, 1))).collect();
-                        store.commit_deletes(VOUCHERS, &list).unwrap();
+                        store.delete_records(VOUCHERS, &list).unwrap();
                         for (id, t) in &list {
                             records.remove(id);
                             intents.remove(id);
@@ -1141,7 +1169,9 @@ mod tests {
                 .iter()
                 .map(|&id| (id, record((round % 251) as u8, round)))
                 .collect();
-            store.commit_page(VOUCHERS, &commits, &[], round).unwrap();
+            store
+                .commit_records(VOUCHERS, &commits, &[], round)
+                .unwrap();
             if round == 10 {
                 // Pages 0..=10 are on disk before the parent is told: it never
                 // has to guess whether a background flush ran before its kill.
@@ -1335,7 +1365,7 @@ mod tests {
         {
             let store = SledStore::open(&path).unwrap();
             store
-                .commit_page(VOUCHERS, &[(1, record(1, 0))], &[], 0)
+                .commit_records(VOUCHERS, &[(1, record(1, 0))], &[], 0)
                 .unwrap();
             store.flush().unwrap();
         }

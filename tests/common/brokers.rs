@@ -16,6 +16,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{BorrowedMessage, Headers};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use serde_json::value::RawValue;
+use voucher_cdc::diff::ContentHash;
 use voucher_cdc::event::{record_event, Event, Op, RecordChange};
 use voucher_cdc::sinks::Sink;
 use voucher_cdc::stream::StreamKey;
@@ -462,18 +463,19 @@ pub fn sample_event(stream: StreamKey, id: u64, op: Op, payload_bytes: usize) ->
     let build = |filler: &str| {
         let data = format!(r#"{{"id":{id},"name":"voucher {id}","filler":"{filler}"}}"#);
         let raw = RawValue::from_string(data.clone()).unwrap();
-        let hash = blake3::hash(data.as_bytes()).to_hex().to_string();
-        let previous = (op != Op::Snapshot && op != Op::Create).then(|| "0".repeat(64));
+        let mut hash = [0u8; 16];
+        hash.copy_from_slice(&blake3::hash(data.as_bytes()).as_bytes()[..16]);
+        let previous = (op != Op::Snapshot && op != Op::Create).then_some(ContentHash([0; 16]));
         record_event(&RecordChange {
             stream,
-            record_id: &id.to_string(),
+            record_id: i64::try_from(id).unwrap(),
             generation: 0,
             seq: 0,
             op,
             updated_at: Some("2024-05-01T10:00:00Z"),
-            content_hash: &hash,
-            previous_hash: previous.as_deref(),
-            replay_id: None,
+            content_hash: ContentHash(hash),
+            previous_hash: previous,
+            replay: None,
             data: &raw,
             detected_at: Utc::now(),
         })

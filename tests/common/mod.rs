@@ -1,6 +1,8 @@
 //! Shared test helpers: each `spawn_*` starts a real dependency for a test.
 #![allow(dead_code)]
 
+pub mod sweeps;
+
 use voucher_cdc::simulator::{Simulator, SimulatorOptions};
 
 /// Starts an in-process simulator on a free loopback port with the rate limit off.

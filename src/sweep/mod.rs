@@ -1,0 +1,654 @@
+//! One sweep of one stream: list the upstream pages, diff them against the
+//! stored content hashes, publish the changes, and commit a page's hashes only
+//! after the sink acknowledged every event of it.
+//!
+//! The invariant this module exists to keep: **a content hash is never
+//! committed before the sink acknowledged its event.** A crash anywhere
+//! therefore re-publishes (same event ids), and never loses a change:
+//!
+//! * a page's intents (every input of each event's id) are durable before
+//!   its first event reaches the sink, and a listed record with a pending
+//!   intent is compared with the intent, what downstream may have seen;
+//! * deletes are journalled the same way, and each is confirmed by the
+//!   single-record GET (404) before it is published;
+//! * a listing always ends: a repeated cursor or a page count far beyond the
+//!   records known fails the sweep without moving the watermark;
+//! * a page commits only as an [`Acked`] batch, built from one delivery per
+//!   event (the count checked), so the invariant holds by the types.
+//!
+//! The stream state is the ledger's ([`StreamLedger`]): the sweep begins and
+//! finishes through it and never saves the stream state itself. What a page
+//! publishes is decided without I/O in [`page`]; publishing until every event
+//! is acknowledged is [`publish`].
+
+mod page;
+mod publish;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use futures::StreamExt;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+pub use crate::state::SweepKind;
+pub use page::{
+    dedupe, format_micros, parse_micros, plan_page, Doomed, KnownRecords, PagePlan, PendingChange,
+};
+
+use crate::config::OnRecordError;
+use crate::crashpoint;
+use crate::diff::{DiffError, IgnoreKeys, SweepMode};
+use crate::event::{self, Event, Op};
+use crate::sinks::Sink;
+use crate::state::ledger::{FullRetry, SweepEnd};
+use crate::state::{
+    Acked, Delivery, Intent, NotAcknowledged, StateError, StateStore, StreamLedger, SweepPlan,
+};
+use crate::stream::{Resource, StreamKey};
+use crate::telemetry::metric;
+use crate::upstream::client::UpstreamClient;
+use crate::upstream::error::UpstreamError;
+use crate::upstream::pagination::{page_limit, ListQuery};
+use crate::upstream::{Page, Record};
+
+/// Settings of a sweep, derived from `[poll]`.
+#[derive(Debug, Clone)]
+pub struct SweepSettings {
+    /// Overlap subtracted from the watermark.
+    pub lookback: Duration,
+    /// Ask the API for relations.
+    pub include_relations: bool,
+    /// Keys left out of the content hash.
+    pub ignore_keys: IgnoreKeys,
+    /// Largest fraction of known records a full sweep may delete.
+    pub max_delete_fraction: f64,
+    /// First wait after a retriable sink failure; doubles up to `sink_backoff_max`.
+    pub sink_backoff_initial: Duration,
+    /// Longest wait between sink retries.
+    pub sink_backoff_max: Duration,
+    /// How long one publish call may take before it counts as a retriable failure.
+    pub publish_timeout: Duration,
+    /// Fewest pages a listing may take before it counts as endless (see [`page_limit`]).
+    pub max_pages_floor: u64,
+    /// First wait before a failed full sweep is tried again; doubles up to `full_retry_max`.
+    pub full_retry_initial: Duration,
+    /// Longest wait before a failed full sweep is tried again.
+    pub full_retry_max: Duration,
+    /// `sink.on_record_error`: what an event the sink can never accept does.
+    pub on_record_error: OnRecordError,
+}
+
+impl Default for SweepSettings {
+    fn default() -> Self {
+        Self {
+            lookback: Duration::from_secs(60),
+            include_relations: true,
+            ignore_keys: IgnoreKeys::new(["updated_at"]),
+            max_delete_fraction: 0.5,
+            sink_backoff_initial: Duration::from_millis(200),
+            sink_backoff_max: Duration::from_secs(30),
+            publish_timeout: Duration::from_secs(120),
+            max_pages_floor: crate::config::DEFAULT_MAX_PAGES_FLOOR,
+            full_retry_initial: Duration::from_secs(30),
+            full_retry_max: Duration::from_secs(3600),
+            on_record_error: OnRecordError::default(),
+        }
+    }
+}
+
+/// Why a sweep failed. The watermark never moves on a failed sweep.
+#[derive(Debug, thiserror::Error)]
+pub enum SweepError {
+    /// The upstream API failed (after the client's own retries).
+    #[error("{0}")]
+    Upstream(#[from] UpstreamError),
+    /// The state store failed.
+    #[error("{0}")]
+    State(#[from] StateError),
+    /// The sink rejected an event permanently.
+    #[error("sink {sink} rejected event {event_id}: {message}")]
+    SinkRejected {
+        /// Sink name.
+        sink: String,
+        /// The rejected event.
+        event_id: String,
+        /// The sink's reason.
+        message: String,
+    },
+    /// A batch was about to be committed without an acknowledgement for every
+    /// event (a bug caught by [`crate::state::Acked`]); nothing was committed.
+    #[error("{0}")]
+    NotAcknowledged(#[from] NotAcknowledged),
+    /// A refused event could not be turned into its dead letter.
+    #[error("{0}")]
+    DeadLetter(#[from] event::DeadLetterError),
+    /// A record's JSON could not be hashed.
+    #[error("record {record_id}: {source}")]
+    Hash {
+        /// The record id.
+        record_id: i64,
+        /// What was wrong.
+        source: DiffError,
+    },
+    /// Shutdown was requested; the sweep stopped between two pages.
+    #[error("sweep stopped early by shutdown or a replay request")]
+    Interrupted,
+    /// A full sweep would have deleted too much and refused.
+    #[error(
+        "full sweep refused to delete {would_delete} of {known} known records \
+         (more than poll.max_delete_fraction = {max_fraction}); check the upstream: if the \
+         deletions are real, raise poll.max_delete_fraction or run `voucher-cdc replay` for \
+         the stream (a replay confirms each delete with the API and is not limited)"
+    )]
+    DeleteGuard {
+        /// Records the sweep would have deleted.
+        would_delete: u64,
+        /// Records known before the sweep.
+        known: u64,
+        /// The configured limit.
+        max_fraction: f64,
+    },
+}
+
+impl SweepError {
+    /// True when the upstream refused access (401/403/404): the stream should park.
+    pub fn is_parking(&self) -> bool {
+        matches!(self, SweepError::Upstream(e) if e.is_parking())
+    }
+}
+
+/// What a sweep did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SweepReport {
+    /// `incremental`, `full` or `replay`.
+    pub kind: &'static str,
+    /// List requests answered.
+    pub pages: u64,
+    /// Records listed.
+    pub records_seen: u64,
+    /// Events acknowledged, by op.
+    pub created: u64,
+    /// Updates acknowledged.
+    pub updated: u64,
+    /// Snapshots acknowledged.
+    pub snapshots: u64,
+    /// Deletes acknowledged.
+    pub deleted: u64,
+    /// Events the sink refused that went out as dead letters instead.
+    pub dead_lettered: u64,
+    /// The new watermark.
+    pub watermark: Option<DateTime<Utc>>,
+    /// Records known after the sweep.
+    pub records_known: u64,
+}
+
+impl SweepReport {
+    /// Events acknowledged in total (record events only).
+    pub fn events(&self) -> u64 {
+        self.created + self.updated + self.snapshots + self.deleted
+    }
+
+    fn count(&mut self, op: Op) {
+        match op {
+            Op::Create => self.created += 1,
+            Op::Update => self.updated += 1,
+            Op::Snapshot => self.snapshots += 1,
+            Op::Delete => self.deleted += 1,
+        }
+    }
+}
+
+/// Progress callback: called after each committed page with (records so far, pages so far).
+pub type Progress = Arc<dyn Fn(StreamKey, u64, u64) + Send + Sync>;
+
+/// Everything one stream's sweeps need; built once per stream.
+#[derive(Clone)]
+pub struct Sweeper {
+    stream: StreamKey,
+    client: UpstreamClient,
+    store: Arc<dyn StateStore>,
+    sink: Arc<dyn Sink>,
+    settings: Arc<SweepSettings>,
+    progress: Option<Progress>,
+}
+
+impl Sweeper {
+    /// A sweeper of `stream`, listing through `client` (with the token's
+    /// shared budget), committing to `store` and publishing to `sink`.
+    pub fn new(
+        stream: StreamKey,
+        client: UpstreamClient,
+        store: Arc<dyn StateStore>,
+        sink: Arc<dyn Sink>,
+        settings: Arc<SweepSettings>,
+    ) -> Self {
+        Self {
+            stream,
+            client,
+            store,
+            sink,
+            settings,
+            progress: None,
+        }
+    }
+
+    /// Calls `progress` after each committed page.
+    pub fn with_progress(mut self, progress: Progress) -> Self {
+        self.progress = Some(progress);
+        self
+    }
+
+    /// The stream swept.
+    pub fn stream(&self) -> StreamKey {
+        self.stream
+    }
+
+    /// The state store.
+    pub fn store(&self) -> &Arc<dyn StateStore> {
+        &self.store
+    }
+
+    /// The event sink.
+    pub fn sink(&self) -> &Arc<dyn Sink> {
+        &self.sink
+    }
+
+    /// The stream's lifecycle transitions.
+    pub fn ledger(&self) -> StreamLedger<'_> {
+        StreamLedger::new(self.store.as_ref(), self.stream)
+    }
+
+    /// Runs one sweep; records its outcome in the stream state either way.
+    ///
+    /// `cancel` stops the sweep between two pages: the page in flight
+    /// finishes (acks awaited, hashes committed) and no further page is
+    /// requested; the sweep then fails with [`SweepError::Interrupted`].
+    pub async fn run(
+        &self,
+        kind: SweepKind,
+        cancel: &CancellationToken,
+    ) -> Result<SweepReport, SweepError> {
+        let ledger = self.ledger();
+        let plan = ledger.begin_sweep(kind, self.settings.lookback, Utc::now())?;
+        let label = plan.label();
+        debug!(tenant = self.stream.tenant, resource = %self.stream.resource, kind = label, "sweep started");
+
+        let mut run = SweepRun {
+            sweeper: self,
+            plan: &plan,
+            cancel,
+            report: SweepReport {
+                kind: label,
+                ..SweepReport::default()
+            },
+        };
+        let swept = run.sweep().await;
+        let report = run.report;
+        let outcome = match &swept {
+            Ok(()) => "ok",
+            Err(SweepError::Interrupted) => "interrupted",
+            Err(_) => "error",
+        };
+        metrics::counter!(metric::SWEEPS, "tenant" => self.stream.tenant.to_string(),
+            "resource" => self.stream.resource.as_str(), "kind" => label, "outcome" => outcome)
+        .increment(1);
+
+        let replay_snapshots = report.snapshots;
+        let end = match &swept {
+            Ok(()) => {
+                info!(tenant = self.stream.tenant, resource = %self.stream.resource, kind = label,
+                    pages = report.pages, records = report.records_seen, events = report.events(),
+                    deleted = report.deleted, "sweep finished");
+                SweepEnd::Completed {
+                    watermark: report.watermark,
+                    records_known: report.records_known,
+                    replay_snapshots,
+                }
+            }
+            Err(SweepError::Interrupted) => {
+                info!(tenant = self.stream.tenant, resource = %self.stream.resource, kind = label,
+                    "sweep stopped early (shutdown or replay); the next run resumes from the same watermark");
+                SweepEnd::Interrupted { replay_snapshots }
+            }
+            Err(e) => {
+                warn!(tenant = self.stream.tenant, resource = %self.stream.resource, kind = label,
+                    error = %e, "sweep failed");
+                SweepEnd::Failed {
+                    error: e.to_string(),
+                    replay_snapshots,
+                }
+            }
+        };
+        let full_retry = FullRetry {
+            initial: self.settings.full_retry_initial,
+            max: self.settings.full_retry_max,
+        };
+        ledger.finish_sweep(&plan, &end, full_retry, Utc::now())?;
+        if let Err(e) = self.sink.flush().await {
+            warn!(sink = self.sink.name(), error = %e, "sink flush failed");
+        }
+        swept.map(|()| report)
+    }
+}
+
+/// One run of a sweep: the plan it follows, its cancel, and what it did so far.
+struct SweepRun<'a> {
+    sweeper: &'a Sweeper,
+    plan: &'a SweepPlan,
+    cancel: &'a CancellationToken,
+    report: SweepReport,
+}
+
+impl SweepRun<'_> {
+    /// The sweep proper; `report` holds what it did so far, also when it fails.
+    async fn sweep(&mut self) -> Result<(), SweepError> {
+        let sweeper = self.sweeper;
+        let plan = self.plan;
+        let stream = sweeper.stream;
+        let known_before = sweeper.store.record_count(stream)?;
+        if plan.replay_id.is_some() {
+            self.publish_replay_frame(false, 0).await?;
+        }
+
+        let query = ListQuery {
+            updated_since: plan.updated_since,
+            cursor: None,
+            include_relations: sweeper.settings.include_relations,
+        };
+        let max_pages = page_limit(known_before, sweeper.settings.max_pages_floor);
+        let pages =
+            sweeper
+                .client
+                .list_pages_bounded(stream.tenant, stream.resource, query, max_pages);
+        futures::pin_mut!(pages);
+        let mut first_server_time = None;
+        while let Some(page) = pages.next().await {
+            let page = page?;
+            first_server_time.get_or_insert(page.server_time);
+            self.report.pages += 1;
+            self.report.records_seen += page.records.len() as u64;
+            self.count_page(&page);
+            self.process_page(&page.records).await?;
+            if let Some(progress) = &sweeper.progress {
+                progress(stream, self.report.records_seen, self.report.pages);
+            }
+            if page.next_cursor.is_some() && self.cancel.is_cancelled() {
+                return Err(SweepError::Interrupted);
+            }
+        }
+
+        if plan.full {
+            self.delete_unseen(known_before).await?;
+        }
+
+        if plan.replay_id.is_some() {
+            // Snapshots of earlier, interrupted runs of this replay count too.
+            let total = plan
+                .replay_records_before
+                .saturating_add(self.report.snapshots);
+            self.publish_replay_frame(true, total).await?;
+        }
+
+        self.report.watermark = first_server_time;
+        self.report.records_known = sweeper.store.record_count(stream)?;
+        Ok(())
+    }
+
+    fn count_page(&self, page: &Page) {
+        let stream = self.sweeper.stream;
+        let tenant = stream.tenant.to_string();
+        let resource = stream.resource.as_str();
+        metrics::counter!(metric::PAGES, "tenant" => tenant.clone(), "resource" => resource)
+            .increment(1);
+        metrics::counter!(metric::RECORDS_SEEN, "tenant" => tenant, "resource" => resource)
+            .increment(page.records.len() as u64);
+    }
+
+    /// Publishes `replay.started` (or, with `completed`, `replay.completed`)
+    /// and waits for its ack.
+    async fn publish_replay_frame(&self, completed: bool, records: u64) -> Result<(), SweepError> {
+        let Some(replay_id) = self.plan.replay_id.as_deref() else {
+            return Ok(());
+        };
+        let since = self.plan.replay_since.map(event::format_time);
+        let frame = event::replay_event(
+            self.sweeper.stream,
+            replay_id,
+            since.as_deref(),
+            completed,
+            records,
+            Utc::now(),
+        );
+        self.publish_all(std::slice::from_ref(&frame)).await?;
+        self.count_event(&frame);
+        Ok(())
+    }
+
+    /// What the store knows about the records of a page: committed state,
+    /// tombstones of the ids it does not hold, and pending intents.
+    fn known_records(&self, records: &[Record]) -> Result<KnownRecords, SweepError> {
+        let store = &self.sweeper.store;
+        let stream = self.sweeper.stream;
+        let ids: Vec<i64> = dedupe(records).iter().map(|r| r.id).collect();
+        let mut known = KnownRecords::default();
+        let mut unknown_ids = Vec::new();
+        for (id, committed) in ids.iter().zip(store.get_records(stream, &ids)?) {
+            match committed {
+                Some(committed) => {
+                    known.committed.insert(*id, committed);
+                }
+                None => unknown_ids.push(*id),
+            }
+        }
+        if !unknown_ids.is_empty() {
+            let tombstones = store.get_tombstones(stream, &unknown_ids)?;
+            known.tombstones = unknown_ids
+                .iter()
+                .copied()
+                .zip(tombstones)
+                .filter_map(|(id, t)| t.map(|t| (id, t)))
+                .collect();
+        }
+        let listed: HashSet<i64> = ids.into_iter().collect();
+        known.intents = store
+            .pending_intents(stream)?
+            .into_iter()
+            .filter(|(id, _)| listed.contains(id))
+            .collect();
+        Ok(known)
+    }
+
+    /// Diffs one page, publishes its changes, and commits them once acknowledged.
+    async fn process_page(&mut self, records: &[Record]) -> Result<(), SweepError> {
+        if records.is_empty() {
+            return Ok(());
+        }
+        let sweeper = self.sweeper;
+        let stream = sweeper.stream;
+        let known = self.known_records(records)?;
+        let page = plan_page(records, &known, self.plan, &sweeper.settings.ignore_keys)?;
+        let epoch = self.plan.epoch;
+        let seen = if self.plan.full {
+            page.unchanged
+        } else {
+            Vec::new()
+        };
+        let changed = !page.changes.is_empty();
+        let acked = if changed {
+            let intents: Vec<(i64, Intent)> = page
+                .changes
+                .iter()
+                .map(|c| (c.record.id, c.intent()))
+                .collect();
+            // Durable before the first event of the page reaches the sink.
+            sweeper.store.write_intents(stream, &intents)?;
+            crashpoint::hit(crashpoint::names::AFTER_INTENTS);
+
+            let detected_at = Utc::now();
+            let events: Vec<Event> = page
+                .changes
+                .iter()
+                .map(|c| c.event(stream, detected_at))
+                .collect();
+            let deliveries = self.publish_changes(&events).await?;
+            crashpoint::hit(crashpoint::names::AFTER_PUBLISH);
+            let ops: Vec<Op> = page.changes.iter().map(|c| c.change.op).collect();
+            self.count_deliveries(&ops, &events, &deliveries);
+            let commits = page.changes.iter().map(|c| c.commit(epoch)).collect();
+            Acked::page(commits, deliveries, seen, epoch)?
+        } else {
+            Acked::seen_only(seen, epoch)
+        };
+        // Every event of the page is acknowledged: now, and only now, commit.
+        sweeper.store.commit_page(stream, &acked)?;
+        if changed {
+            crashpoint::hit(crashpoint::names::AFTER_COMMIT);
+        }
+        Ok(())
+    }
+
+    /// Counts acknowledged events by op, and dead letters.
+    fn count_deliveries(&mut self, ops: &[Op], events: &[Event], deliveries: &[Delivery]) {
+        for ((op, event), delivery) in ops.iter().zip(events).zip(deliveries) {
+            match delivery {
+                Delivery::DeadLettered(_) => self.report.dead_lettered += 1,
+                Delivery::Acknowledged => {
+                    self.report.count(*op);
+                    self.count_event(event);
+                }
+            }
+        }
+    }
+
+    /// After a complete full listing: emits `*.deleted` for every record (and
+    /// every possibly-published intent) the listing did not contain, each
+    /// confirmed gone by the single-record GET first.
+    async fn delete_unseen(&mut self, known_before: u64) -> Result<(), SweepError> {
+        let sweeper = self.sweeper;
+        let plan = self.plan;
+        let stream = sweeper.stream;
+        let unseen = sweeper.store.unseen_records(stream, plan.epoch)?;
+        let intents: HashMap<i64, Intent> =
+            sweeper.store.pending_intents(stream)?.into_iter().collect();
+
+        // A pending intent is the latest change possibly published.
+        let mut doomed: Vec<Doomed> = unseen
+            .iter()
+            .map(|(id, r)| Doomed::new(*id, Some(r), intents.get(id), plan.replay))
+            .collect();
+        let committed_unseen = doomed.len() as u64;
+        // Intents of records never committed: published perhaps, gone now.
+        let unseen_ids: HashSet<i64> = unseen.iter().map(|(id, _)| *id).collect();
+        let orphans: Vec<i64> = intents
+            .keys()
+            .copied()
+            .filter(|id| !unseen_ids.contains(id))
+            .collect();
+        if !orphans.is_empty() {
+            let stored = sweeper.store.get_records(stream, &orphans)?;
+            for (id, stored) in orphans.iter().zip(stored) {
+                if stored.is_none() {
+                    doomed.push(Doomed::new(*id, None, intents.get(id), plan.replay));
+                }
+            }
+        }
+        if doomed.is_empty() {
+            return Ok(());
+        }
+        // The guard protects against a broken listing before any request is
+        // spent on confirmations. Orphan intents are not "known" records and
+        // never count; a first sync has nothing to protect, and a replay is
+        // what the guard's message advises (each delete is confirmed anyway).
+        let max_fraction = sweeper.settings.max_delete_fraction;
+        let limit = max_fraction * (known_before.max(1) as f64);
+        if plan.mode == SweepMode::Normal && (committed_unseen as f64) > limit {
+            metrics::counter!(metric::DELETES_REFUSED, "tenant" => stream.tenant.to_string(),
+                "resource" => stream.resource.as_str())
+            .increment(1);
+            return Err(SweepError::DeleteGuard {
+                would_delete: committed_unseen,
+                known: known_before,
+                max_fraction,
+            });
+        }
+
+        doomed.sort_by_key(|d| d.id);
+        for chunk in doomed.chunks(DELETE_CHUNK) {
+            let (gone, found) = self.confirm_gone(chunk).await?;
+            if !found.is_empty() {
+                // The listing skipped them: they are seen, and processed like a page.
+                metrics::counter!(metric::DELETES_RESCINDED, "tenant" => stream.tenant.to_string(),
+                    "resource" => stream.resource.as_str())
+                .increment(found.len() as u64);
+                info!(tenant = stream.tenant, resource = %stream.resource,
+                    records = found.len(),
+                    "records missing from the full listing still exist upstream; not deleted");
+                self.process_page(&found).await?;
+            }
+            if gone.is_empty() {
+                continue;
+            }
+            let detected_at = Utc::now();
+            let intents: Vec<(i64, Intent)> = gone.iter().map(|d| (d.id, d.intent())).collect();
+            sweeper.store.write_intents(stream, &intents)?;
+            crashpoint::hit(crashpoint::names::AFTER_DELETE_INTENTS);
+            let events: Vec<Event> = gone
+                .iter()
+                .map(|d| d.event(stream, detected_at, &sweeper.settings.ignore_keys))
+                .collect::<Result<_, _>>()?;
+            let deliveries = self.publish_changes(&events).await?;
+            crashpoint::hit(crashpoint::names::AFTER_DELETE_PUBLISH);
+            self.count_deliveries(&vec![Op::Delete; events.len()], &events, &deliveries);
+            let tombstones = gone.iter().map(|d| d.tombstone()).collect();
+            let acked = Acked::deletes(tombstones, &deliveries)?;
+            sweeper.store.commit_deletes(stream, &acked)?;
+            crashpoint::hit(crashpoint::names::AFTER_DELETE_COMMIT);
+        }
+        Ok(())
+    }
+
+    /// Asks the single-record GET about each record: 404 means gone; a record
+    /// that answers is returned to be processed as listed.
+    async fn confirm_gone<'d>(
+        &self,
+        doomed: &'d [Doomed],
+    ) -> Result<(Vec<&'d Doomed>, Vec<Record>), SweepError> {
+        let sweeper = self.sweeper;
+        let stream = sweeper.stream;
+        let mut gone = Vec::with_capacity(doomed.len());
+        let mut found = Vec::new();
+        for d in doomed {
+            let answer = match stream.resource {
+                Resource::Vouchers => sweeper.client.get_voucher(stream.tenant, d.id).await,
+                Resource::Categories => sweeper.client.get_category(stream.tenant, d.id).await,
+            };
+            match answer {
+                Ok(record) if record.id == d.id => found.push(record),
+                Ok(record) => {
+                    warn!(tenant = stream.tenant, resource = %stream.resource,
+                        asked = d.id, answered = record.id,
+                        "the single-record GET answered with another id; the record is not deleted");
+                }
+                Err(e) if e.status() == Some(404) => gone.push(d),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok((gone, found))
+    }
+
+    fn count_event(&self, e: &Event) {
+        let stream = self.sweeper.stream;
+        metrics::counter!(metric::EVENTS_PUBLISHED,
+            "tenant" => stream.tenant.to_string(),
+            "resource" => stream.resource.as_str(),
+            "type" => e.ty.as_str(),
+            "op" => e.op.map_or("none", Op::as_str))
+        .increment(1);
+    }
+}
+
+/// Deletes confirmed, published and committed together (one GET each first).
+const DELETE_CHUNK: usize = 50;

@@ -1,0 +1,451 @@
+//! What one page (or one chunk of deletes) publishes and commits, decided
+//! without I/O.
+//!
+//! [`plan_page`] turns a listed page and what the store knows about its
+//! records into the changes to publish: a record listed twice counts once,
+//! as its last version; each record's content hash is compared with its
+//! committed state, its pending intent and its tombstone
+//! ([`crate::diff::plan_change`]). The effectful half (journal, publish,
+//! await the acks, commit) is in the sweep; everything here is tested without
+//! a store or a sink.
+
+use std::collections::HashMap;
+
+use chrono::{DateTime, Utc};
+use serde_json::value::RawValue;
+
+use super::SweepError;
+use crate::diff::{content_hash, plan_change, Change, ContentHash, IgnoreKeys, Known};
+use crate::event::{self, Event, Op, RecordChange};
+use crate::state::{Intent, RecordState, SweepPlan, Tombstone};
+use crate::stream::StreamKey;
+use crate::upstream::Record;
+
+/// What the store knows about the records of one page.
+#[derive(Debug, Clone, Default)]
+pub struct KnownRecords {
+    /// Committed state, by record id.
+    pub committed: HashMap<i64, RecordState>,
+    /// Pending intents (what downstream may have seen beyond the committed hashes), by record id.
+    pub intents: HashMap<i64, Intent>,
+    /// Tombstones of earlier incarnations, by record id.
+    pub tombstones: HashMap<i64, Tombstone>,
+}
+
+impl KnownRecords {
+    fn known(&self, id: i64) -> Known {
+        Known {
+            committed: self.committed.get(&id).copied(),
+            intent: self.intents.get(&id).copied(),
+            tombstone: self.tombstones.get(&id).copied(),
+        }
+    }
+}
+
+/// The records of a page with each id once, as its last version, in the
+/// order of those last versions.
+pub fn dedupe(records: &[Record]) -> Vec<&Record> {
+    let mut last_index: HashMap<i64, usize> = HashMap::with_capacity(records.len());
+    for (i, r) in records.iter().enumerate() {
+        last_index.insert(r.id, i);
+    }
+    records
+        .iter()
+        .enumerate()
+        .filter(|(i, r)| last_index.get(&r.id) == Some(i))
+        .map(|(_, r)| r)
+        .collect()
+}
+
+/// A listed record whose change the page publishes.
+#[derive(Debug, Clone)]
+pub struct PendingChange<'a> {
+    /// The record as listed.
+    pub record: &'a Record,
+    /// Its content hash.
+    pub hash: ContentHash,
+    /// The decision: op, previous hash, generation, sequence, replay.
+    pub change: Change,
+    /// Its `updated_at` in unix microseconds, when readable.
+    pub updated_at_micros: Option<i64>,
+}
+
+impl PendingChange<'_> {
+    /// The journal entry: every input of the event id, so a re-publish keeps it.
+    pub fn intent(&self) -> Intent {
+        Intent {
+            hash: self.hash,
+            updated_at: self.updated_at_micros,
+            generation: self.change.generation,
+            seq: self.change.seq,
+            op: Some(self.change.op),
+            previous: self.change.previous,
+            replay: self.change.replay,
+        }
+    }
+
+    /// The event downstream gets.
+    pub fn event(&self, stream: StreamKey, detected_at: DateTime<Utc>) -> Event {
+        event::record_event(&RecordChange {
+            stream,
+            record_id: self.record.id,
+            generation: self.change.generation,
+            seq: self.change.seq,
+            op: self.change.op,
+            updated_at: self.record.updated_at.as_deref(),
+            content_hash: self.hash,
+            previous_hash: self.change.previous,
+            replay: self.change.replay,
+            data: &self.record.raw,
+            detected_at,
+        })
+    }
+
+    /// The committed state once the event is acknowledged.
+    pub fn commit(&self, epoch: u64) -> (i64, RecordState) {
+        (
+            self.record.id,
+            RecordState {
+                hash: self.hash,
+                updated_at: self.updated_at_micros,
+                seen_epoch: epoch,
+                generation: self.change.generation,
+                seq: self.change.seq,
+            },
+        )
+    }
+}
+
+/// What one page publishes, and what it only marks as seen.
+#[derive(Debug, Clone, Default)]
+pub struct PagePlan<'a> {
+    /// Records to publish, in page order.
+    pub changes: Vec<PendingChange<'a>>,
+    /// Ids of records listed unchanged.
+    pub unchanged: Vec<i64>,
+}
+
+/// Plans one page of a sweep run as `plan` says, against what the store knows.
+pub fn plan_page<'a>(
+    records: &'a [Record],
+    known: &KnownRecords,
+    plan: &SweepPlan,
+    ignore: &IgnoreKeys,
+) -> Result<PagePlan<'a>, SweepError> {
+    let mut page = PagePlan::default();
+    for record in dedupe(records) {
+        let hash = content_hash(record.raw.get(), ignore).map_err(|source| SweepError::Hash {
+            record_id: record.id,
+            source,
+        })?;
+        match plan_change(
+            &known.known(record.id),
+            hash,
+            plan.mode,
+            plan.replay,
+            plan.epoch,
+        ) {
+            None => page.unchanged.push(record.id),
+            Some(change) => page.changes.push(PendingChange {
+                record,
+                hash,
+                change,
+                updated_at_micros: parse_micros(record.updated_at.as_deref()),
+            }),
+        }
+    }
+    Ok(page)
+}
+
+/// A record a full sweep will delete, with the last version possibly published.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Doomed {
+    /// The record id.
+    pub id: i64,
+    generation: u32,
+    last_hash: ContentHash,
+    updated_at: Option<i64>,
+    seq: u64,
+    replay: Option<[u8; 16]>,
+}
+
+impl Doomed {
+    /// The delete of a record that is `committed` (or only journalled), given
+    /// its pending intent: a journalled delete is re-published exactly; an
+    /// upsert intent is the last version downstream may have seen.
+    pub fn new(
+        id: i64,
+        committed: Option<&RecordState>,
+        intent: Option<&Intent>,
+        replay: Option<[u8; 16]>,
+    ) -> Self {
+        let committed_seq = committed.map_or(0, |r| r.seq);
+        match (intent, committed) {
+            (Some(i), _) if i.is_delete() => Self {
+                id,
+                generation: i.generation,
+                last_hash: i.hash,
+                updated_at: i.updated_at,
+                seq: i.seq,
+                replay: i.replay,
+            },
+            (Some(i), _) => Self {
+                id,
+                generation: i.generation,
+                last_hash: i.hash,
+                updated_at: i.updated_at,
+                seq: i.seq.max(committed_seq).saturating_add(1),
+                replay,
+            },
+            (None, Some(r)) => Self {
+                id,
+                generation: r.generation,
+                last_hash: r.hash,
+                updated_at: r.updated_at,
+                seq: r.seq.saturating_add(1),
+                replay,
+            },
+            // Not reachable: a doomed record is committed or journalled.
+            (None, None) => Self {
+                id,
+                generation: 0,
+                last_hash: ContentHash([0; 16]),
+                updated_at: None,
+                seq: 1,
+                replay,
+            },
+        }
+    }
+
+    /// The journal entry of the delete (its `hash` is the last version's).
+    pub fn intent(&self) -> Intent {
+        Intent {
+            hash: self.last_hash,
+            updated_at: self.updated_at,
+            generation: self.generation,
+            seq: self.seq,
+            op: Some(Op::Delete),
+            previous: None,
+            replay: self.replay,
+        }
+    }
+
+    /// The `*.deleted` event: `data` is `{"id":N}`, `previoushash` the last hash.
+    pub fn event(
+        &self,
+        stream: StreamKey,
+        detected_at: DateTime<Utc>,
+        ignore: &IgnoreKeys,
+    ) -> Result<Event, SweepError> {
+        let data = delete_data(self.id);
+        let hash = content_hash(data.get(), ignore).map_err(|source| SweepError::Hash {
+            record_id: self.id,
+            source,
+        })?;
+        let updated_at = self.updated_at.and_then(format_micros);
+        Ok(event::record_event(&RecordChange {
+            stream,
+            record_id: self.id,
+            generation: self.generation,
+            seq: self.seq,
+            op: Op::Delete,
+            updated_at: updated_at.as_deref(),
+            content_hash: hash,
+            previous_hash: Some(self.last_hash),
+            replay: self.replay,
+            data: &data,
+            detected_at,
+        }))
+    }
+
+    /// The tombstone: the next incarnation of this id starts a new generation.
+    pub fn tombstone(&self) -> (i64, Tombstone) {
+        (
+            self.id,
+            Tombstone {
+                generation: self.generation.saturating_add(1),
+                last_hash: self.last_hash,
+                updated_at: self.updated_at,
+            },
+        )
+    }
+}
+
+/// The `data` of a delete event: just the record id.
+fn delete_data(id: i64) -> Box<RawValue> {
+    RawValue::from_string(format!("{{\"id\":{id}}}")).unwrap_or_else(|_| RawValue::NULL.to_owned())
+}
+
+/// Parses an API timestamp into unix microseconds (None when absent or unreadable).
+pub fn parse_micros(updated_at: Option<&str>) -> Option<i64> {
+    updated_at
+        .and_then(|s| DateTime::parse_from_rfc3339(s).ok())
+        .map(|t| t.with_timezone(&Utc).timestamp_micros())
+}
+
+/// Formats unix microseconds the way events carry times.
+pub fn format_micros(micros: i64) -> Option<String> {
+    DateTime::<Utc>::from_timestamp_micros(micros).map(event::format_time)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::diff::SweepMode;
+    use crate::state::ledger::plan_sweep;
+    use crate::state::{StreamState, SweepKind};
+
+    fn record(id: i64, title: &str) -> Record {
+        let raw = format!(r#"{{"id":{id},"title":"{title}","updated_at":"2026-01-01T00:00:00Z"}}"#);
+        Record {
+            id,
+            updated_at: Some("2026-01-01T00:00:00Z".into()),
+            raw: RawValue::from_string(raw).unwrap(),
+        }
+    }
+
+    fn ignore() -> IgnoreKeys {
+        IgnoreKeys::new(["updated_at"])
+    }
+
+    fn synced() -> SweepPlan {
+        let state = StreamState {
+            watermark: DateTime::from_timestamp(1_700_000_000, 0),
+            full_sweep_epoch: 2,
+            ..StreamState::default()
+        };
+        plan_sweep(&state, SweepKind::Incremental, Duration::from_secs(60))
+    }
+
+    fn committed(r: &Record, seq: u64) -> RecordState {
+        RecordState {
+            hash: content_hash(r.raw.get(), &ignore()).unwrap(),
+            updated_at: parse_micros(r.updated_at.as_deref()),
+            seen_epoch: 2,
+            generation: 0,
+            seq,
+        }
+    }
+
+    #[test]
+    fn a_record_listed_twice_in_a_page_counts_once_as_its_last_version() {
+        let records = vec![record(1, "a"), record(2, "b"), record(1, "c")];
+        let ids: Vec<i64> = dedupe(&records).iter().map(|r| r.id).collect();
+        assert_eq!(ids, vec![2, 1]);
+        let page = plan_page(&records, &KnownRecords::default(), &synced(), &ignore()).unwrap();
+        assert_eq!(page.changes.len(), 2);
+        let last = &page.changes[1];
+        assert_eq!(last.record.id, 1);
+        assert!(last.record.raw.get().contains("\"c\""));
+        assert_eq!(last.change.op, Op::Create);
+    }
+
+    #[test]
+    fn unchanged_records_are_only_marked_seen_and_changed_ones_update_with_the_next_sequence() {
+        let before = vec![record(1, "a"), record(2, "b")];
+        let mut known = KnownRecords::default();
+        for r in &before {
+            known.committed.insert(r.id, committed(r, 3));
+        }
+        let now = vec![record(1, "a"), record(2, "B")];
+        let page = plan_page(&now, &known, &synced(), &ignore()).unwrap();
+        assert_eq!(page.unchanged, vec![1]);
+        assert_eq!(page.changes.len(), 1);
+        let change = &page.changes[0];
+        assert_eq!(change.change.op, Op::Update);
+        assert_eq!(change.change.seq, 4);
+        assert_eq!(change.change.previous, Some(committed(&before[1], 3).hash));
+        let (id, state) = change.commit(2);
+        assert_eq!(id, 2);
+        assert_eq!(state.seq, 4);
+        assert_eq!(state.hash, change.hash);
+        assert_eq!(change.intent().hash, change.hash);
+        assert_eq!(change.intent().op, Some(Op::Update));
+    }
+
+    #[test]
+    fn a_record_with_a_tombstone_comes_back_as_a_create_of_the_next_generation() {
+        let r = record(5, "x");
+        let mut known = KnownRecords::default();
+        known.tombstones.insert(
+            5,
+            Tombstone {
+                generation: 2,
+                last_hash: ContentHash([9; 16]),
+                updated_at: None,
+            },
+        );
+        let page = plan_page(std::slice::from_ref(&r), &known, &synced(), &ignore()).unwrap();
+        assert_eq!(page.changes[0].change.op, Op::Create);
+        assert_eq!(page.changes[0].change.generation, 2);
+    }
+
+    #[test]
+    fn a_first_sync_emits_snapshots() {
+        let plan = plan_sweep(
+            &StreamState::default(),
+            SweepKind::Incremental,
+            Duration::ZERO,
+        );
+        assert_eq!(plan.mode, SweepMode::FirstSync);
+        let records = vec![record(1, "a")];
+        let page = plan_page(&records, &KnownRecords::default(), &plan, &ignore()).unwrap();
+        assert_eq!(page.changes[0].change.op, Op::Snapshot);
+    }
+
+    #[test]
+    fn a_record_that_cannot_be_hashed_names_its_id() {
+        let bad = Record {
+            id: 7,
+            updated_at: None,
+            raw: RawValue::from_string(format!("{}{}", "[".repeat(200), "]".repeat(200))).unwrap(),
+        };
+        let err = plan_page(
+            std::slice::from_ref(&bad),
+            &KnownRecords::default(),
+            &synced(),
+            &ignore(),
+        )
+        .unwrap_err();
+        assert!(err.to_string().starts_with("record 7:"), "{err}");
+    }
+
+    #[test]
+    fn a_doomed_record_deletes_its_last_possibly_published_version() {
+        let r = record(3, "a");
+        let committed = committed(&r, 4);
+        let upsert = Intent {
+            hash: ContentHash([7; 16]),
+            updated_at: None,
+            generation: 1,
+            seq: 6,
+            op: Some(Op::Update),
+            previous: Some(committed.hash),
+            replay: None,
+        };
+        let from_intent = Doomed::new(3, Some(&committed), Some(&upsert), None);
+        assert_eq!(from_intent.intent().hash, upsert.hash);
+        assert_eq!(from_intent.intent().seq, 7);
+        assert_eq!(from_intent.tombstone().1.generation, 2);
+        let from_commit = Doomed::new(3, Some(&committed), None, None);
+        assert_eq!(from_commit.intent().hash, committed.hash);
+        assert_eq!(from_commit.intent().seq, 5);
+        // A journalled delete is re-published exactly as it was.
+        let journalled = from_commit.intent();
+        let again = Doomed::new(3, Some(&committed), Some(&journalled), Some([1; 16]));
+        assert_eq!(again, from_commit);
+    }
+
+    #[test]
+    fn timestamps_round_trip_through_micros() {
+        let micros = parse_micros(Some("2026-01-01T00:00:00.5Z")).unwrap();
+        assert_eq!(
+            format_micros(micros).as_deref(),
+            Some("2026-01-01T00:00:00.500000Z")
+        );
+        assert_eq!(parse_micros(Some("yesterday")), None);
+        assert_eq!(parse_micros(None), None);
+    }
+}
