@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn, Instrument};
 
 use crate::config::PollConfig;
+use crate::planner::{Grant, Need, Planner, SweepFacts};
 use crate::state::{StateError, StreamState};
 use crate::stream::StreamKey;
 use crate::sweep::{SweepError, SweepKind, SweepReport, Sweeper};
@@ -188,12 +189,24 @@ impl StreamHandle {
 pub struct StreamRunner {
     sweeper: Sweeper,
     timing: Timing,
+    /// The token's planner (`poll.strategy = "adaptive"`); None: the stream's own timer.
+    planner: Option<Planner>,
 }
 
 impl StreamRunner {
-    /// A runner sweeping with `sweeper`.
+    /// A runner sweeping with `sweeper` on its own timer (`poll.strategy = "uniform"`).
     pub fn new(sweeper: Sweeper, timing: Timing) -> Self {
-        Self { sweeper, timing }
+        Self {
+            sweeper,
+            timing,
+            planner: None,
+        }
+    }
+
+    /// Takes turns from the token's `planner` instead of its own timer.
+    pub fn with_planner(mut self, planner: Planner) -> Self {
+        self.planner = Some(planner);
+        self
     }
 
     /// The stream this runner sweeps.
@@ -214,7 +227,15 @@ impl StreamRunner {
     /// sweep: it is logged, counted, and recorded as the stream's last error;
     /// nothing of the page in flight was committed.
     pub async fn run_once(&self, cancel: CancellationToken) -> StepOutcome {
-        let outcome = match AssertUnwindSafe(self.step(cancel)).catch_unwind().await {
+        self.run_step(None, cancel).await
+    }
+
+    /// One step as [`StreamRunner::run_once`], sweeping as `kind` says (None: whichever is due).
+    async fn run_step(&self, kind: Option<SweepKind>, cancel: CancellationToken) -> StepOutcome {
+        let outcome = match AssertUnwindSafe(self.step(kind, cancel))
+            .catch_unwind()
+            .await
+        {
             Ok(outcome) => outcome,
             Err(panic) => {
                 let key = self.key();
@@ -234,7 +255,7 @@ impl StreamRunner {
         outcome
     }
 
-    async fn step(&self, cancel: CancellationToken) -> StepOutcome {
+    async fn step(&self, kind: Option<SweepKind>, cancel: CancellationToken) -> StepOutcome {
         let key = self.key();
         let ledger = self.sweeper.ledger();
         let state = match ledger.state() {
@@ -245,7 +266,8 @@ impl StreamRunner {
             }
         };
         let was_parked = state.parked.is_some();
-        let kind = due_kind(&state, Utc::now(), self.timing.full_resync_interval);
+        let kind =
+            kind.unwrap_or_else(|| due_kind(&state, Utc::now(), self.timing.full_resync_interval));
         let outcome = match self.sweeper.run(kind, &cancel).await {
             Ok(report) => {
                 if was_parked {
@@ -292,12 +314,44 @@ impl StreamRunner {
         self.refresh_gauges();
     }
 
+    /// Waits `delay` (the floor), then for the planner's turn when there is one.
+    async fn next_turn(&self, delay: Duration) -> Turn {
+        let ready_at = tokio::time::Instant::now() + delay;
+        let Some(planner) = &self.planner else {
+            tokio::time::sleep_until(ready_at).await;
+            return Turn::due();
+        };
+        let need = match self.sweeper.ledger().state() {
+            Ok(state)
+                if state.watermark.is_none()
+                    || state.replay.as_ref().is_some_and(|r| r.pending) =>
+            {
+                Need::Snapshot
+            }
+            Ok(state) => Need::Poll {
+                full_due: due_kind(&state, Utc::now(), self.timing.full_resync_interval)
+                    == SweepKind::Full,
+            },
+            // The step reports the store's error; the planner needs no precision here.
+            Err(_) => Need::Poll { full_due: false },
+        };
+        let grant = planner.turn(self.key(), need, ready_at).await;
+        Turn {
+            kind: Some(match grant {
+                Grant::Full => SweepKind::Full,
+                Grant::Poll => SweepKind::Incremental,
+            }),
+            grant: Some(grant),
+            started: tokio::time::Instant::now(),
+        }
+    }
+
     /// The stream's loop until `shutdown`: sweep, wait (or wake for a replay), repeat.
     async fn run(self, mut requests: mpsc::Receiver<ReplayRequest>, shutdown: CancellationToken) {
         let mut delay = Duration::ZERO;
         let mut failures: u32 = 0;
         loop {
-            tokio::select! {
+            let turn = tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return,
                 Some(request) = requests.recv() => {
@@ -305,13 +359,19 @@ impl StreamRunner {
                     while let Ok(request) = requests.try_recv() {
                         self.apply_replay(request);
                     }
+                    if self.planner.is_some() {
+                        // The replay's snapshot sweep asks the planner for its turn.
+                        delay = Duration::ZERO;
+                        continue;
+                    }
+                    Turn::due()
                 }
-                _ = tokio::time::sleep(delay) => {}
-            }
+                turn = self.next_turn(delay) => turn,
+            };
 
             let step_cancel = shutdown.child_token();
             // A panic in a sweep (a bug) fails that step only (see `run_once`).
-            let step = self.run_once(step_cancel.clone());
+            let step = self.run_step(turn.kind, step_cancel.clone());
             tokio::pin!(step);
             let mut waiting: Vec<ReplayRequest> = Vec::new();
             let outcome = loop {
@@ -327,6 +387,9 @@ impl StreamRunner {
                     }
                 }
             };
+            if let (Some(planner), Some(grant)) = (&self.planner, turn.grant) {
+                planner.finished(self.key(), grant, turn.facts(&outcome));
+            }
             if shutdown.is_cancelled() {
                 for request in waiting {
                     self.apply_replay(request);
@@ -352,6 +415,46 @@ impl StreamRunner {
                 failures = 0;
             }
             delay = next_delay(&outcome, &self.timing, rand::random::<f64>());
+        }
+    }
+}
+
+/// A stream's turn to sweep.
+#[derive(Debug, Clone, Copy)]
+struct Turn {
+    /// The sweep to run; None: whichever is due.
+    kind: Option<SweepKind>,
+    /// The planner's grant, when a planner gave the turn.
+    grant: Option<Grant>,
+    /// When the turn began.
+    started: tokio::time::Instant,
+}
+
+impl Turn {
+    /// A turn of the stream's own timer: whichever sweep is due.
+    fn due() -> Self {
+        Self {
+            kind: None,
+            grant: None,
+            started: tokio::time::Instant::now(),
+        }
+    }
+
+    /// What the planner learns from the step's `outcome`.
+    fn facts(&self, outcome: &StepOutcome) -> SweepFacts {
+        match outcome {
+            StepOutcome::Swept(report) => SweepFacts {
+                started: self.started,
+                completed: true,
+                changed: report.created + report.updated + report.deleted + report.dead_lettered,
+                requests: report.pages,
+            },
+            _ => SweepFacts {
+                started: self.started,
+                completed: false,
+                changed: 0,
+                requests: 0,
+            },
         }
     }
 }

@@ -1,0 +1,691 @@
+//! One planner per upstream token: it decides which stream polls next, so the
+//! token's shared request budget goes where it lowers change-to-event latency
+//! most (`poll.strategy = "adaptive"`, docs/planner.md).
+//!
+//! Every stream task asks the planner for its turn ([`Planner::turn`]) once
+//! its floor (`poll.interval`, or a failure or park backoff) has passed, and
+//! reports what its sweep found ([`Planner::finished`]). The planner grants
+//! turns in *lanes*: a few poll lanes (incremental polls, first syncs and
+//! replays) and one bulk lane (periodic full sweeps, whose pages the budget
+//! limits to `poll.full_sweep_share` while polls wait). Within the poll lanes
+//! the order is:
+//!
+//! 1. streams not polled for `poll.max_interval` (the staleness cap), most
+//!    overdue first;
+//! 2. first syncs and replays (their whole catalog is missing downstream), so
+//!    a first sync of many streams finishes close to its floor;
+//! 3. every other ready stream by the index `rate × age² / cost`: the
+//!    expected change-to-event latency a poll saves per request spent. Polling
+//!    a stream when its index reaches a common threshold gives each stream the
+//!    period `T ∝ sqrt(cost / rate)`, the optimum for Poisson changes (Cho and
+//!    Garcia-Molina 2003).
+//!
+//! The rate of each stream is learnt from what its incremental polls found
+//! (records that really changed, not the lookback overlap), from a neutral
+//! prior, with a short memory so a stream that turns hot or quiet is followed
+//! within a few polls. When the budget covers every stream every
+//! `poll.interval`, every ready stream is granted at once: the schedule is
+//! the uniform one.
+//!
+//! The core ([`PlannerCore`]) is pure and driven with explicit instants; the
+//! async [`Planner`] around it wakes waiting streams.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex as StdMutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::stream::StreamKey;
+
+/// Poll lanes of a limited budget: enough to keep the budget busy while one
+/// poll waits for the network, few enough that the planner's order decides.
+pub const POLL_LANES: usize = 3;
+
+/// How much of a stream's rate estimate survives each new observation: a
+/// memory of about two or three polls.
+const RATE_MEMORY: f64 = 0.5;
+
+/// Weight of the neutral prior (one change per `max_interval`), as a
+/// fraction of `poll.interval` of observation: real observations soon outweigh it.
+const PRIOR_WEIGHT: f64 = 0.5;
+
+/// How a token's streams share its budget (`poll.strategy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Strategy {
+    /// The budget-aware planner.
+    #[default]
+    Adaptive,
+    /// Every stream on its own timer, every `poll.interval`; requests served first come, first served.
+    Uniform,
+}
+
+impl Strategy {
+    /// The name in config, status and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Strategy::Adaptive => "adaptive",
+            Strategy::Uniform => "uniform",
+        }
+    }
+}
+
+/// What the planner needs from `[poll]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PlannerSettings {
+    /// `poll.interval`: the floor (the runner waits it before asking again).
+    pub interval: Duration,
+    /// `poll.max_interval`: the staleness cap.
+    pub max_interval: Duration,
+    /// Poll lanes; `usize::MAX` for an unlimited budget.
+    pub poll_lanes: usize,
+}
+
+/// What a ready stream asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Need {
+    /// A first sync or a replay: a snapshot listing.
+    Snapshot,
+    /// An incremental poll; `full_due` when its periodic full sweep is due too.
+    Poll {
+        /// The stream's full sweep is due (`poll.full_resync_interval`).
+        full_due: bool,
+    },
+}
+
+/// What the planner granted a stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Grant {
+    /// Sweep now in a poll lane (incremental, or the snapshot sweep it needs).
+    Poll,
+    /// Run the periodic full sweep now, in the bulk lane.
+    Full,
+}
+
+/// How a granted sweep ended, as the planner learns from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SweepFacts {
+    /// When the sweep started.
+    pub started: Instant,
+    /// The sweep completed (its listing is current as of `started`).
+    pub completed: bool,
+    /// Records that really changed (created, updated or deleted events).
+    pub changed: u64,
+    /// Upstream requests the sweep spent.
+    pub requests: u64,
+}
+
+/// The learnt change rate of one stream: decayed sums of changes and of the
+/// time they were observed over, with a neutral prior.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RateEstimate {
+    changes: f64,
+    seconds: f64,
+}
+
+impl RateEstimate {
+    fn new() -> Self {
+        Self {
+            changes: 0.0,
+            seconds: 0.0,
+        }
+    }
+
+    /// Adds `changes` seen over `window`; older observations fade.
+    pub fn observe(&mut self, changes: u64, window: Duration) {
+        self.changes = self.changes * RATE_MEMORY + changes as f64;
+        self.seconds = self.seconds * RATE_MEMORY + window.as_secs_f64();
+    }
+
+    /// Changes per second, the neutral prior (one change per `max_interval`) blended in.
+    pub fn per_second(&self, settings: &PlannerSettings) -> f64 {
+        let prior_seconds = settings.interval.as_secs_f64().max(1.0) * PRIOR_WEIGHT;
+        let prior_changes = prior_seconds / settings.max_interval.as_secs_f64().max(1.0);
+        (self.changes + prior_changes) / (self.seconds + prior_seconds)
+    }
+}
+
+/// What the planner knows of one stream (see [`PlannerCore::streams`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StreamPlan {
+    /// The stream is waiting for its turn (since when it may go).
+    pub ready_at: Option<Instant>,
+    /// What it asks for.
+    pub need: Option<Need>,
+    /// The turn it holds, while its sweep runs.
+    pub running: Option<Grant>,
+    /// Start of the last completed sweep (the listing is current as of then).
+    pub last_poll: Option<Instant>,
+    /// Learnt change rate.
+    pub rate: RateEstimate,
+    /// Requests one incremental poll costs (learnt, at least 1).
+    pub cost: f64,
+    /// Smoothed time between two polls.
+    pub period: Option<Duration>,
+    /// Sweeps granted so far.
+    pub grants: u64,
+}
+
+impl StreamPlan {
+    fn new() -> Self {
+        Self {
+            ready_at: None,
+            need: None,
+            running: None,
+            last_poll: None,
+            rate: RateEstimate::new(),
+            cost: 1.0,
+            period: None,
+            grants: 0,
+        }
+    }
+}
+
+/// The pure planner: which ready stream gets the next turn.
+#[derive(Debug, Clone)]
+pub struct PlannerCore {
+    settings: PlannerSettings,
+    streams: BTreeMap<StreamKey, StreamPlan>,
+    /// Grants made but not yet picked up by their stream, by stream.
+    granted: BTreeMap<StreamKey, Grant>,
+}
+
+impl PlannerCore {
+    /// A planner with no stream yet.
+    pub fn new(settings: PlannerSettings) -> Self {
+        Self {
+            settings,
+            streams: BTreeMap::new(),
+            granted: BTreeMap::new(),
+        }
+    }
+
+    /// The settings it plans with.
+    pub fn settings(&self) -> PlannerSettings {
+        self.settings
+    }
+
+    /// Every stream it knows, in key order.
+    pub fn streams(&self) -> impl Iterator<Item = (StreamKey, &StreamPlan)> {
+        self.streams.iter().map(|(k, p)| (*k, p))
+    }
+
+    /// The plan of one stream.
+    pub fn stream(&self, key: StreamKey) -> Option<&StreamPlan> {
+        self.streams.get(&key)
+    }
+
+    /// `key` is ready from `ready_at` on and asks for `need`.
+    pub fn ask(&mut self, key: StreamKey, need: Need, ready_at: Instant) {
+        let plan = self.streams.entry(key).or_insert_with(StreamPlan::new);
+        plan.ready_at = Some(ready_at);
+        plan.need = Some(need);
+    }
+
+    /// `key` no longer waits (its task stopped waiting); a grant it did not take is returned.
+    pub fn withdraw(&mut self, key: StreamKey) {
+        if let Some(plan) = self.streams.get_mut(&key) {
+            plan.ready_at = None;
+            plan.need = None;
+            if self.granted.remove(&key).is_some() {
+                plan.running = None;
+            }
+        }
+    }
+
+    /// Takes the grant made to `key`, if any: its sweep starts now.
+    pub fn take_grant(&mut self, key: StreamKey) -> Option<Grant> {
+        self.granted.remove(&key)
+    }
+
+    /// The sweep of `key` ended.
+    pub fn finished(&mut self, key: StreamKey, grant: Grant, facts: SweepFacts) {
+        let Some(plan) = self.streams.get_mut(&key) else {
+            return;
+        };
+        plan.running = None;
+        if !facts.completed {
+            return;
+        }
+        if let Some(previous) = plan.last_poll {
+            let window = facts.started.saturating_duration_since(previous);
+            // A snapshot (first sync, replay) emits everything: it says nothing of the rate.
+            if plan.need != Some(Need::Snapshot) {
+                plan.rate.observe(facts.changed, window);
+            }
+            plan.period = Some(match plan.period {
+                Some(p) => p.mul_f64(0.7) + window.mul_f64(0.3),
+                None => window,
+            });
+        }
+        if grant == Grant::Poll && plan.need != Some(Need::Snapshot) {
+            let requests = facts.requests.max(1) as f64;
+            plan.cost = plan.cost * 0.7 + requests * 0.3;
+        }
+        plan.last_poll = Some(facts.started);
+    }
+
+    fn running(&self, grant: Grant) -> usize {
+        self.streams
+            .values()
+            .filter(|p| p.running == Some(grant))
+            .count()
+    }
+
+    /// The poll-lane rank of a ready stream: a higher tier first, then a higher score.
+    fn rank(&self, plan: &StreamPlan, now: Instant) -> (u8, f64) {
+        let cap = self.settings.max_interval;
+        match (plan.need, plan.last_poll) {
+            (Some(Need::Snapshot), _) | (_, None) => (1, 0.0),
+            (_, Some(last)) => {
+                let age = now.saturating_duration_since(last);
+                if age >= cap {
+                    (2, age.as_secs_f64())
+                } else {
+                    let age = age.as_secs_f64();
+                    let rate = plan.rate.per_second(&self.settings);
+                    (0, rate * age * age / plan.cost.max(1.0))
+                }
+            }
+        }
+    }
+
+    /// Grants every turn the lanes allow at `now`; returns the streams granted.
+    pub fn grant(&mut self, now: Instant) -> Vec<(StreamKey, Grant)> {
+        let mut granted = Vec::new();
+        let ready = |p: &StreamPlan| p.running.is_none() && p.ready_at.is_some_and(|at| at <= now);
+        // The bulk lane: the periodic full sweep waiting longest.
+        if self.running(Grant::Full) == 0 {
+            let oldest = self
+                .streams
+                .iter()
+                .filter(|(_, p)| ready(p) && p.need == Some(Need::Poll { full_due: true }))
+                .min_by_key(|(k, p)| (p.last_poll, **k))
+                .map(|(k, _)| *k);
+            if let Some(key) = oldest {
+                granted.push((key, Grant::Full));
+                self.start(key, Grant::Full);
+            }
+        }
+        // The poll lanes, best rank first.
+        let free = self
+            .settings
+            .poll_lanes
+            .saturating_sub(self.running(Grant::Poll));
+        if free > 0 {
+            let mut candidates: Vec<(StreamKey, (u8, f64), Option<Instant>)> = self
+                .streams
+                .iter()
+                .filter(|(_, p)| ready(p))
+                .map(|(k, p)| (*k, self.rank(p, now), p.last_poll))
+                .collect();
+            candidates.sort_by(|a, b| {
+                b.1 .0
+                    .cmp(&a.1 .0)
+                    .then(b.1 .1.total_cmp(&a.1 .1))
+                    .then(a.2.cmp(&b.2))
+                    .then(a.0.cmp(&b.0))
+            });
+            for (key, _, _) in candidates.into_iter().take(free) {
+                granted.push((key, Grant::Poll));
+                self.start(key, Grant::Poll);
+            }
+        }
+        granted
+    }
+
+    fn start(&mut self, key: StreamKey, grant: Grant) {
+        if let Some(plan) = self.streams.get_mut(&key) {
+            plan.running = Some(grant);
+            plan.ready_at = None;
+            plan.grants += 1;
+            self.granted.insert(key, grant);
+        }
+    }
+
+    /// When the next stream becomes ready, if a lane could take it.
+    pub fn next_ready(&self, now: Instant) -> Option<Instant> {
+        let lanes_free =
+            self.running(Grant::Poll) < self.settings.poll_lanes || self.running(Grant::Full) == 0;
+        if !lanes_free {
+            return None;
+        }
+        self.streams
+            .values()
+            .filter(|p| p.running.is_none())
+            .filter_map(|p| p.ready_at)
+            .filter(|at| *at > now)
+            .min()
+    }
+}
+
+/// The async planner shared by the streams of one token.
+#[derive(Debug, Clone)]
+pub struct Planner {
+    core: Arc<StdMutex<PlannerCore>>,
+    changed: Arc<Notify>,
+}
+
+/// Withdraws a stream's ask if its `turn` future is dropped before it got its turn.
+struct AskGuard<'a> {
+    planner: &'a Planner,
+    key: StreamKey,
+    armed: bool,
+}
+
+impl Drop for AskGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.planner.lock().withdraw(self.key);
+            self.planner.changed.notify_waiters();
+        }
+    }
+}
+
+impl Planner {
+    /// A planner with `settings`.
+    pub fn new(settings: PlannerSettings) -> Self {
+        Self {
+            core: Arc::new(StdMutex::new(PlannerCore::new(settings))),
+            changed: Arc::new(Notify::new()),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, PlannerCore> {
+        self.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A copy of the core, for status and metrics.
+    pub fn snapshot(&self) -> PlannerCore {
+        self.lock().clone()
+    }
+
+    /// Waits for `key`'s turn: ready from `ready_at`, asking for `need`.
+    ///
+    /// Cancel-safe: dropping the future withdraws the ask (and gives back a
+    /// turn granted but not taken).
+    pub async fn turn(&self, key: StreamKey, need: Need, ready_at: Instant) -> Grant {
+        self.lock().ask(key, need, ready_at);
+        let mut guard = AskGuard {
+            planner: self,
+            key,
+            armed: true,
+        };
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let wake = {
+                let mut core = self.lock();
+                let now = Instant::now();
+                if !core.grant(now).is_empty() {
+                    self.changed.notify_waiters();
+                }
+                if let Some(grant) = core.take_grant(key) {
+                    guard.armed = false;
+                    return grant;
+                }
+                core.next_ready(now)
+            };
+            match wake {
+                Some(at) => {
+                    tokio::select! {
+                        _ = &mut notified => {}
+                        _ = tokio::time::sleep_until(at) => {}
+                    }
+                }
+                None => notified.await,
+            }
+        }
+    }
+
+    /// `key`'s sweep (granted as `grant`) ended with `facts`; frees its lane.
+    pub fn finished(&self, key: StreamKey, grant: Grant, facts: SweepFacts) {
+        self.lock().finished(key, grant, facts);
+        self.changed.notify_waiters();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stream::Resource;
+
+    fn key(tenant: u64) -> StreamKey {
+        StreamKey::new(tenant, Resource::Vouchers)
+    }
+
+    fn settings(lanes: usize) -> PlannerSettings {
+        PlannerSettings {
+            interval: Duration::from_secs(30),
+            max_interval: Duration::from_secs(300),
+            poll_lanes: lanes,
+        }
+    }
+
+    fn secs(s: u64) -> Duration {
+        Duration::from_secs(s)
+    }
+
+    /// Polls every stream once so each has a last poll at `at`.
+    fn warm(core: &mut PlannerCore, keys: &[StreamKey], at: Instant) {
+        for &k in keys {
+            core.ask(k, Need::Poll { full_due: false }, at);
+        }
+        loop {
+            let granted = core.grant(at);
+            if granted.is_empty() {
+                break;
+            }
+            for (k, g) in granted {
+                core.take_grant(k);
+                core.finished(k, g, facts(at, 0));
+            }
+        }
+    }
+
+    fn facts(started: Instant, changed: u64) -> SweepFacts {
+        SweepFacts {
+            started,
+            completed: true,
+            changed,
+            requests: 1,
+        }
+    }
+
+    #[test]
+    fn the_rate_estimate_starts_neutral_and_follows_a_stream_that_turns_hot_within_a_few_polls() {
+        let settings = settings(1);
+        let mut rate = RateEstimate::new();
+        let neutral = rate.per_second(&settings);
+        assert!((neutral - 1.0 / 300.0).abs() < 1e-9, "{neutral}");
+        for _ in 0..3 {
+            rate.observe(30, secs(30));
+        }
+        let hot = rate.per_second(&settings);
+        assert!(hot > 0.7 && hot <= 1.0, "1 change/s learnt as {hot}");
+        for _ in 0..4 {
+            rate.observe(0, secs(30));
+        }
+        let quiet = rate.per_second(&settings);
+        assert!(quiet < 0.1, "quiet again after 4 polls: {quiet}");
+    }
+
+    #[test]
+    fn a_ready_stream_is_granted_at_once_when_a_lane_is_free() {
+        let t0 = Instant::now();
+        let mut core = PlannerCore::new(settings(usize::MAX));
+        let keys: Vec<_> = (1..=5).map(key).collect();
+        for &k in &keys {
+            core.ask(k, Need::Poll { full_due: false }, t0);
+        }
+        let granted = core.grant(t0);
+        assert_eq!(granted.len(), 5, "ample lanes: every ready stream goes now");
+        assert!(granted.iter().all(|(_, g)| *g == Grant::Poll));
+    }
+
+    #[test]
+    fn a_stream_is_not_granted_before_it_is_ready() {
+        let t0 = Instant::now();
+        let mut core = PlannerCore::new(settings(3));
+        core.ask(key(1), Need::Poll { full_due: false }, t0 + secs(30));
+        assert!(core.grant(t0).is_empty());
+        assert_eq!(core.next_ready(t0), Some(t0 + secs(30)));
+        assert_eq!(core.grant(t0 + secs(30)), vec![(key(1), Grant::Poll)]);
+    }
+
+    #[test]
+    fn the_lanes_bound_what_runs_at_once_and_a_finished_sweep_frees_its_lane() {
+        let t0 = Instant::now();
+        let mut core = PlannerCore::new(settings(2));
+        for t in 1..=4 {
+            core.ask(key(t), Need::Poll { full_due: false }, t0);
+        }
+        let first = core.grant(t0);
+        assert_eq!(first.len(), 2);
+        assert!(core.grant(t0).is_empty(), "both lanes busy");
+        assert_eq!(
+            core.next_ready(t0),
+            None,
+            "nothing to wake for while lanes are busy"
+        );
+        let (k, g) = first[0];
+        core.take_grant(k);
+        core.finished(k, g, facts(t0, 0));
+        assert_eq!(core.grant(t0).len(), 1);
+    }
+
+    #[test]
+    fn a_hot_stream_is_polled_before_quiet_ones_of_the_same_age() {
+        let t0 = Instant::now();
+        let mut core = PlannerCore::new(settings(1));
+        let keys: Vec<_> = (1..=4).map(key).collect();
+        warm(&mut core, &keys, t0);
+        // Stream 3 turned out hot over a few polls; the others quiet.
+        for round in 1..=3 {
+            let at = t0 + secs(60 * round);
+            for &k in &keys {
+                core.ask(k, Need::Poll { full_due: false }, at);
+                core.grant(at);
+                core.take_grant(k);
+                core.finished(k, Grant::Poll, facts(at, if k == key(3) { 60 } else { 0 }));
+            }
+        }
+        let at = t0 + secs(240);
+        for &k in &keys {
+            core.ask(k, Need::Poll { full_due: false }, at);
+        }
+        assert_eq!(core.grant(at + secs(40)), vec![(key(3), Grant::Poll)]);
+    }
+
+    #[test]
+    fn a_stream_past_the_staleness_cap_goes_before_any_hot_stream() {
+        let t0 = Instant::now();
+        let mut core = PlannerCore::new(settings(1));
+        warm(&mut core, &[key(1)], t0);
+        warm(&mut core, &[key(2)], t0 + secs(200));
+        // key(2) is very hot.
+        for i in 0..3 {
+            let at = t0 + secs(210 + 10 * i);
+            core.ask(key(2), Need::Poll { full_due: false }, at);
+            core.grant(at);
+            core.take_grant(key(2));
+            core.finished(key(2), Grant::Poll, facts(at, 100));
+        }
+        let at = t0 + secs(301);
+        core.ask(key(1), Need::Poll { full_due: false }, at);
+        core.ask(key(2), Need::Poll { full_due: false }, at);
+        assert_eq!(
+            core.grant(at),
+            vec![(key(1), Grant::Poll)],
+            "past max_interval beats any index"
+        );
+    }
+
+    #[test]
+    fn first_syncs_go_before_polls_of_streams_that_already_synced() {
+        let t0 = Instant::now();
+        let mut core = PlannerCore::new(settings(1));
+        warm(&mut core, &[key(1)], t0);
+        let at = t0 + secs(60);
+        core.ask(key(1), Need::Poll { full_due: false }, at);
+        core.ask(key(2), Need::Snapshot, at);
+        assert_eq!(core.grant(at), vec![(key(2), Grant::Poll)]);
+    }
+
+    #[test]
+    fn a_due_full_sweep_takes_the_bulk_lane_beside_the_poll_lanes() {
+        let t0 = Instant::now();
+        let mut core = PlannerCore::new(settings(1));
+        warm(&mut core, &[key(1), key(2), key(3)], t0);
+        let at = t0 + secs(60);
+        core.ask(key(1), Need::Poll { full_due: true }, at);
+        core.ask(key(2), Need::Poll { full_due: true }, at);
+        core.ask(key(3), Need::Poll { full_due: false }, at);
+        let granted = core.grant(at);
+        assert_eq!(granted.len(), 2);
+        assert_eq!(
+            granted[0],
+            (key(1), Grant::Full),
+            "one full sweep at a time"
+        );
+        assert_eq!(granted[1].1, Grant::Poll);
+        assert_ne!(granted[1].0, key(1));
+    }
+
+    #[test]
+    fn a_withdrawn_grant_frees_its_lane() {
+        let t0 = Instant::now();
+        let mut core = PlannerCore::new(settings(1));
+        core.ask(key(1), Need::Poll { full_due: false }, t0);
+        core.ask(key(2), Need::Poll { full_due: false }, t0);
+        assert_eq!(core.grant(t0), vec![(key(1), Grant::Poll)]);
+        assert!(core.grant(t0).is_empty(), "the lane is taken");
+        // Stream 1's task stopped waiting before it took its turn.
+        core.withdraw(key(1));
+        assert_eq!(core.take_grant(key(1)), None);
+        assert_eq!(core.grant(t0), vec![(key(2), Grant::Poll)]);
+    }
+
+    /// The square-root law: with one lane, streams whose rates differ by 16×
+    /// settle at poll periods about 4× apart.
+    #[test]
+    fn poll_periods_settle_near_the_square_root_law() {
+        let t0 = Instant::now();
+        let mut core = PlannerCore::new(PlannerSettings {
+            interval: Duration::ZERO,
+            max_interval: secs(3600),
+            poll_lanes: 1,
+        });
+        let hot = key(1);
+        let cool = key(2);
+        let rate = |k: StreamKey| if k == hot { 1.6 } else { 0.1 };
+        let mut last: BTreeMap<StreamKey, Instant> = BTreeMap::new();
+        let mut polls: BTreeMap<StreamKey, u32> = BTreeMap::new();
+        let mut now = t0;
+        for &k in &[hot, cool] {
+            core.ask(k, Need::Poll { full_due: false }, now);
+        }
+        // Each poll takes one second (one request slot).
+        for _ in 0..4000 {
+            let granted = core.grant(now);
+            for (k, g) in granted {
+                core.take_grant(k);
+                let since = now.saturating_duration_since(*last.get(&k).unwrap_or(&t0));
+                let changed = (rate(k) * since.as_secs_f64()).round() as u64;
+                now += secs(1);
+                core.finished(k, g, facts(now - secs(1), changed));
+                last.insert(k, now - secs(1));
+                *polls.entry(k).or_default() += 1;
+                core.ask(k, Need::Poll { full_due: false }, now);
+            }
+        }
+        let ratio = f64::from(polls[&hot]) / f64::from(polls[&cool]);
+        assert!(
+            (3.0..=5.5).contains(&ratio),
+            "sqrt(16) = 4 expected, got {ratio} ({polls:?})"
+        );
+    }
+}
