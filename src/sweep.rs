@@ -26,10 +26,9 @@ use tracing::{debug, info, warn};
 
 use crate::config::OnRecordError;
 use crate::crashpoint;
-use crate::diff::{
-    content_hash, plan_change, Change, ContentHash, DiffError, IgnoreKeys, Known, SweepMode,
-};
+use crate::diff::{plan_change, Change, Known, SweepMode};
 use crate::event::{self, Event, Op, RecordChange};
+use crate::hash::{content_hash, ContentHash, HashError, IgnoreKeys};
 use crate::sinks::{Sink, SinkError};
 use crate::state::{
     DeadLetter, Intent, RecordState, StateError, StateStore, StreamState, Tombstone,
@@ -133,7 +132,7 @@ pub enum SweepError {
         /// The record id.
         record_id: i64,
         /// What was wrong.
-        source: DiffError,
+        source: HashError,
     },
     /// Shutdown was requested; the sweep stopped between two pages.
     #[error("sweep stopped early by shutdown or a replay request")]
