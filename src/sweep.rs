@@ -37,8 +37,8 @@ use crate::stream::{Resource, StreamKey};
 use crate::telemetry::metric;
 use crate::upstream::client::UpstreamClient;
 use crate::upstream::error::UpstreamError;
-use crate::upstream::pagination::{page_limit, ListQuery};
-use crate::upstream::{Page, Record};
+use crate::upstream::page::{ListQuery, Page, Record};
+use crate::upstream::pagination::page_limit;
 
 /// Which kind of sweep the scheduler asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
