@@ -5,7 +5,7 @@
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
 use serde_json::{json, Value};
-use voucher_cdc::upstream::pagination::decode_page;
+use voucher_cdc::upstream::page::decode_page;
 
 /// Records per page, fixed by the API.
 const PAGE_SIZE: usize = 50;

@@ -18,7 +18,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 
-use voucher_cdc::diff::{content_hash, decide, Decision, IgnoreKeys, SweepMode};
+use voucher_cdc::diff::{decide, Decision, SweepMode};
+use voucher_cdc::hash::{content_hash, IgnoreKeys};
 use voucher_cdc::state::{Acked, Delivery, Intent, PageCommit, RecordState, SledStore, StateStore};
 use voucher_cdc::stream::{Resource, StreamKey};
 
@@ -187,7 +188,7 @@ fn page_texts<'b>(bodies: &'b [[String; 2]], ids: &[i64], version: usize) -> Vec
 
 /// Syncs ids `0..n` (first sync), page by page.
 fn initial_sync(store: &SledStore, bodies: &[[String; 2]], n: usize) {
-    let ignore = IgnoreKeys::default();
+    let ignore = IgnoreKeys::new(["updated_at"]);
     let ids: Vec<i64> = (0..n as i64).collect();
     for page in ids.chunks(PAGE) {
         let texts = page_texts(bodies, page, 0);
@@ -196,7 +197,7 @@ fn initial_sync(store: &SledStore, bodies: &[[String; 2]], n: usize) {
 }
 
 fn bench_hash(c: &mut Criterion, bodies: &[[String; 2]]) {
-    let ignore = IgnoreKeys::default();
+    let ignore = IgnoreKeys::new(["updated_at"]);
     let total: usize = bodies.iter().map(|b| b[0].len()).sum();
     let mut group = c.benchmark_group("content_hash");
     group.throughput(Throughput::Bytes((total / bodies.len()) as u64));
@@ -214,7 +215,7 @@ fn bench_pages(c: &mut Criterion, bodies: &[[String; 2]]) {
     const KNOWN: usize = 100_000;
     let store = SledStore::open_temporary().expect("temporary store");
     initial_sync(&store, bodies, KNOWN);
-    let ignore = IgnoreKeys::default();
+    let ignore = IgnoreKeys::new(["updated_at"]);
     let mut group = c.benchmark_group("sweep_page");
     group.throughput(Throughput::Elements(PAGE as u64));
     group.measurement_time(Duration::from_secs(10));
@@ -314,7 +315,7 @@ fn footprint_child(n: usize) {
     let (rss_synced, _) = rss_kib();
 
     // One full sweep: every record unchanged, seen epoch bumped.
-    let ignore = IgnoreKeys::default();
+    let ignore = IgnoreKeys::new(["updated_at"]);
     let ids: Vec<i64> = (0..n as i64).collect();
     let started = Instant::now();
     for page in ids.chunks(PAGE) {
@@ -377,7 +378,7 @@ fn process_cpu_time() -> Duration {
 /// records per CPU-second of the whole process, sled's threads included.
 fn cpu_rates(n: usize) {
     let bodies = bodies();
-    let ignore = IgnoreKeys::default();
+    let ignore = IgnoreKeys::new(["updated_at"]);
     let cpu = process_cpu_time();
     let wall = Instant::now();
     let mut hashed = 0usize;
@@ -451,7 +452,7 @@ fn durability(n: usize) {
     let bodies = bodies();
     let dir = tempfile::tempdir().expect("tempdir");
     let store = SledStore::open(&dir.path().join("state")).expect("open");
-    let ignore = IgnoreKeys::default();
+    let ignore = IgnoreKeys::new(["updated_at"]);
     let ids: Vec<i64> = (0..n as i64).collect();
     let mut intents_us = Vec::new();
     let mut commit_us = Vec::new();

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Mutation testing of the pure core with cargo-mutants (pinned): the content
-# hash and the change decision (src/diff.rs), event ids (src/event.rs), the
+# hash (src/hash/), the change decision (src/diff.rs), event ids (src/event.rs), the
 # state codec and the intent journal (src/state/codec.rs, src/state/journal.rs),
 # against the tests that cover them (the library's unit tests and the golden
 # vectors). Not part of .ci/run: it builds the library once per mutant.
@@ -22,6 +22,8 @@ export CARGO_TARGET_DIR="${MUTANTS_TARGET_DIR:-$CACHE/target-mutants}"
 
 cargo mutants --version
 cargo mutants \
+  --file src/hash/mod.rs \
+  --file src/hash/canonical.rs \
   --file src/diff.rs \
   --file src/event.rs \
   --file src/state/codec.rs \

@@ -610,7 +610,7 @@ mod tests {
 
     #[test]
     fn status_during_a_first_sync_shows_the_records_committed_so_far_and_since_when() {
-        use crate::diff::ContentHash;
+        use crate::hash::ContentHash;
         use crate::state::{RecordState, SledStore};
         let dir = tempfile::tempdir().unwrap();
         let store = SledStore::open(&dir.path().join("state")).unwrap();

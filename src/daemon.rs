@@ -18,7 +18,7 @@ use tracing::{info, warn, Instrument};
 
 use crate::admin::{self, AdminState};
 use crate::config::{Config, SinkKind};
-use crate::diff::IgnoreKeys;
+use crate::hash::IgnoreKeys;
 use crate::scheduler::{Scheduler, StepOutcome, StreamRunner, Timing};
 use crate::sinks::Sink;
 use crate::state::{SledStore, StateError, StateStore};

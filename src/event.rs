@@ -9,7 +9,7 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use serde::Serialize;
 use serde_json::value::RawValue;
 
-use crate::diff::ContentHash;
+use crate::hash::{truncated, ContentHash};
 use crate::stream::{Resource, StreamKey, TenantId};
 
 /// What kind of change an event reports (the `op` attribute).
@@ -116,8 +116,7 @@ pub fn event_id(parts: &EventIdParts<'_>) -> String {
     field(Some(parts.content_hash.as_bytes()));
     field(parts.previous_hash.map(str::as_bytes));
     field(parts.replay_id.map(str::as_bytes));
-    let digest = h.finalize();
-    hex::encode(&digest.as_bytes()[..16])
+    hex::encode(truncated(&h.finalize()))
 }
 
 /// The structured-mode CloudEvents JSON document (field order as DESIGN.md).
@@ -184,6 +183,19 @@ impl Event {
 /// True when `t` is an RFC 3339 date-time (what CloudEvents' `time` requires).
 pub fn is_rfc3339(t: &str) -> bool {
     DateTime::parse_from_rfc3339(t).is_ok()
+}
+
+/// A record's `updated_at` text as unix microseconds (the form state keeps);
+/// None when it is not an RFC 3339 timestamp.
+pub fn updated_at_micros(text: &str) -> Option<i64> {
+    DateTime::parse_from_rfc3339(text)
+        .ok()
+        .map(|t| t.timestamp_micros())
+}
+
+/// Unix microseconds (as state keeps them) formatted the way events carry times.
+pub fn format_micros(micros: i64) -> Option<String> {
+    DateTime::<Utc>::from_timestamp_micros(micros).map(format_time)
 }
 
 /// Formats a timestamp the way events carry it (RFC 3339, UTC, `Z`).
@@ -330,7 +342,7 @@ pub fn replay_event(
     };
     let data_json = serde_json::to_string(&data).unwrap_or_else(|_| "{}".to_string());
     let data_raw = RawValue::from_string(data_json).unwrap_or_else(|_| empty_object());
-    let content_hash = hex::encode(&blake3::hash(data_raw.get().as_bytes()).as_bytes()[..16]);
+    let content_hash = hex::encode(truncated(&blake3::hash(data_raw.get().as_bytes())));
     let id = event_id(&EventIdParts {
         tenant: stream.tenant,
         resource: stream.resource,
@@ -483,4 +495,25 @@ fn encode(doc: &CloudEvent<'_>) -> Bytes {
     // Serializing a struct of strings, numbers and an already-valid RawValue
     // cannot fail; an empty payload would be rejected by every consumer.
     Bytes::from(serde_json::to_vec(doc).unwrap_or_default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn updated_at_text_converts_to_unix_microseconds() {
+        assert_eq!(updated_at_micros("1970-01-01T00:00:01Z"), Some(1_000_000));
+        assert_eq!(
+            updated_at_micros("2024-05-01T10:00:00.123456+02:00"),
+            Some(1_714_550_400_123_456)
+        );
+        assert_eq!(updated_at_micros("yesterday"), None);
+        let micros = updated_at_micros("2026-01-01T00:00:00.5Z").unwrap();
+        assert_eq!(
+            format_micros(micros).as_deref(),
+            Some("2026-01-01T00:00:00.500000Z")
+        );
+        assert_eq!(updated_at_micros(""), None);
+    }
 }

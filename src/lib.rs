@@ -10,6 +10,7 @@ pub mod daemon;
 pub mod demo;
 pub mod diff;
 pub mod event;
+pub mod hash;
 pub mod planner;
 pub mod scheduler;
 pub mod secret;

@@ -9,8 +9,8 @@ mod schema;
 use chrono::{TimeZone, Utc};
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
-use voucher_cdc::diff::{content_hash, ContentHash, IgnoreKeys};
 use voucher_cdc::event::{record_event, replay_event, Event, Op, RecordChange};
+use voucher_cdc::hash::{content_hash, ContentHash, IgnoreKeys};
 use voucher_cdc::state::replay_id_bytes;
 use voucher_cdc::stream::{Resource, StreamKey};
 

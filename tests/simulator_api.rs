@@ -6,8 +6,8 @@ use std::collections::BTreeSet;
 
 use common::{simulator_client, spawn_simulator};
 use serde_json::Value;
+use voucher_cdc::simulator::model::{CatalogCategory, CatalogVoucher, Collection};
 use voucher_cdc::stream::Resource;
-use voucher_cdc::upstream::model::{CatalogCategory, CatalogVoucher, Collection};
 
 async fn list_all(base: &str, client: &reqwest::Client, path: &str, query: &str) -> Vec<Value> {
     let mut out = Vec::new();
@@ -1006,7 +1006,7 @@ async fn redeem(
 
 #[tokio::test]
 async fn redemptions_honour_balances_part_redeem_and_voucher_state() {
-    use voucher_cdc::upstream::model::{RedemptionResult, Single};
+    use voucher_cdc::simulator::model::{RedemptionResult, Single};
     let sim = spawn_simulator().await;
     let client = simulator_client(sim.token());
     // Fixed states: 5001 monetary part, 5002 monetary full-only, 5003 experience,

@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use common::{free_port, simulator_client, spawn_catalog, spawn_cli};
 use serde_json::Value;
+use voucher_cdc::simulator::model::Collection;
 use voucher_cdc::simulator::{ListingFault, Simulator};
 use voucher_cdc::stream::Resource;
-use voucher_cdc::upstream::model::Collection;
 
 /// One list page: (ids, next_cursor).
 async fn page(

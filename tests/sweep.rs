@@ -15,7 +15,7 @@ use chrono::{DateTime, Utc};
 use common::sweeps::SweeperBuilder;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
-use voucher_cdc::diff::{content_hash, IgnoreKeys};
+use voucher_cdc::hash::{content_hash, IgnoreKeys};
 use voucher_cdc::simulator::Simulator;
 use voucher_cdc::sinks::testing::{FaultMode, TestSink};
 use voucher_cdc::sinks::Sink;
@@ -901,7 +901,7 @@ async fn an_orphan_intent_in_a_store_that_knows_no_record_is_deleted_not_refused
     assert!(h.sweep(1, C, SweepKind::Incremental).await.is_empty());
     assert!(h.store.load_stream(stream).unwrap().watermark.is_some());
     // A create that was published, never committed, and is gone upstream.
-    let published = voucher_cdc::diff::ContentHash([7; 16]);
+    let published = voucher_cdc::hash::ContentHash([7; 16]);
     h.store
         .write_intents(
             stream,

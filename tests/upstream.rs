@@ -11,12 +11,10 @@ use chrono::{SubsecRound, Utc};
 use futures::StreamExt;
 use voucher_cdc::simulator::{Fault, Permission, RequestLogEntry, Simulator};
 use voucher_cdc::stream::Resource;
-use voucher_cdc::upstream::client::{ClientOptions, SecretToken, UpstreamClient};
+use voucher_cdc::upstream::client::{ClientOptions, RedeemRequest, SecretToken, UpstreamClient};
 use voucher_cdc::upstream::error::UpstreamError;
-use voucher_cdc::upstream::model::RedeemRequest;
-use voucher_cdc::upstream::pagination::ListQuery;
+use voucher_cdc::upstream::page::{ListQuery, Page, Record};
 use voucher_cdc::upstream::ratelimit::RateBudget;
-use voucher_cdc::upstream::{Page, Record};
 
 /// Options for tests: the simulator's base URL, quick backoff.
 fn options(sim: &Simulator) -> ClientOptions {

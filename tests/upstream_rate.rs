@@ -18,7 +18,7 @@ use futures::StreamExt;
 use voucher_cdc::simulator::SimulatorOptions;
 use voucher_cdc::stream::Resource;
 use voucher_cdc::upstream::client::{ClientOptions, SecretToken, UpstreamClient};
-use voucher_cdc::upstream::pagination::ListQuery;
+use voucher_cdc::upstream::page::ListQuery;
 use voucher_cdc::upstream::ratelimit::BudgetRegistry;
 
 use common::spawn_simulator_with;

@@ -11,9 +11,8 @@ use std::time::Duration;
 use futures::StreamExt;
 use voucher_cdc::simulator::{Fault, Permission, SimulatorOptions};
 use voucher_cdc::stream::Resource;
-use voucher_cdc::upstream::client::{ClientOptions, SecretToken, UpstreamClient};
-use voucher_cdc::upstream::model::RedeemRequest;
-use voucher_cdc::upstream::pagination::ListQuery;
+use voucher_cdc::upstream::client::{ClientOptions, RedeemRequest, SecretToken, UpstreamClient};
+use voucher_cdc::upstream::page::ListQuery;
 use voucher_cdc::upstream::ratelimit::{BudgetRegistry, RateBudget};
 
 use common::spawn_simulator_with;

@@ -6,8 +6,8 @@ use chrono::{DateTime, Duration, NaiveDate, TimeZone, Utc};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use super::model::{CatalogCategory, CatalogVoucher, CategoryRef, Variant};
 use crate::stream::TenantId;
-use crate::upstream::model::{CatalogCategory, CatalogVoucher, CategoryRef, Variant};
 
 const EXPERIENCES: &[&str] = &[
     "Afternoon Tea",

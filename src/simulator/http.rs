@@ -28,12 +28,12 @@ use tokio_util::sync::CancellationToken;
 
 use super::cursor::query_fingerprint;
 use super::listing;
+use super::model::{ts, MessageError, Single, ValidationError};
 use super::query::{self, FieldErrors};
 use super::redeem;
 use super::state::{token_fingerprint, Grant, RateDecision, SimState};
 use super::{Fault, Permission, RequestLogEntry, API_PREFIX, PAGE_SIZE};
 use crate::stream::{Resource, TenantId};
-use crate::upstream::model::{ts, MessageError, Single, ValidationError};
 
 type AppState = Arc<SimState>;
 

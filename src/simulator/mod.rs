@@ -9,6 +9,7 @@ mod cursor;
 mod data;
 mod http;
 mod listing;
+pub mod model;
 mod mutator;
 mod query;
 mod redeem;
@@ -26,7 +27,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::stream::{Resource, TenantId};
-use crate::upstream::model::RedemptionVoucher;
+use model::RedemptionVoucher;
 
 pub use state::token_fingerprint;
 pub use store::RecordValue;

@@ -8,8 +8,8 @@ use chrono::{DateTime, NaiveDate, Utc};
 use serde_json::Value;
 
 use super::data::{self, Purchased};
+use super::model::{Actor, RedemptionResult, RedemptionTenant, RedemptionVoucher};
 use crate::stream::TenantId;
-use crate::upstream::model::{Actor, RedemptionResult, RedemptionTenant, RedemptionVoucher};
 
 /// A refused redemption: the field to blame and the message.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -12,10 +12,10 @@ use rand::rngs::StdRng;
 
 use super::cursor::CursorCodec;
 use super::data;
+use super::model::RedemptionVoucher;
 use super::store::{RecordValue, TenantData};
 use super::{Fault, ListingFault, RequestLogEntry, SimulatorOptions};
 use crate::stream::{Resource, TenantId};
-use crate::upstream::model::RedemptionVoucher;
 
 const LOG_CAPACITY: usize = 100_000;
 const NOT_FROZEN: i64 = i64::MIN;

@@ -12,8 +12,8 @@ use rand::Rng;
 
 use super::cursor::SortKey;
 use super::data::{self, Purchased};
+use super::model::{CatalogCategory, CatalogVoucher, CategoryProduct};
 use crate::stream::{Resource, TenantId};
-use crate::upstream::model::{CatalogCategory, CatalogVoucher, CategoryProduct};
 
 /// A record's JSON in each include form, indexed by include bit mask.
 #[derive(Debug)]

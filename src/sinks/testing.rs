@@ -15,8 +15,8 @@ use chrono::{TimeZone, Utc};
 use serde_json::value::RawValue;
 
 use super::{Ack, Sink, SinkError};
-use crate::diff::ContentHash;
 use crate::event::{record_event, Event, Op, RecordChange};
+use crate::hash::ContentHash;
 use crate::stream::StreamKey;
 
 /// Which events a [`FaultMode::Reject`] refuses.

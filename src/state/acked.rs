@@ -135,7 +135,7 @@ mod tests {
     use chrono::DateTime;
 
     use super::*;
-    use crate::diff::ContentHash;
+    use crate::hash::ContentHash;
 
     fn record(n: u8) -> RecordState {
         RecordState {

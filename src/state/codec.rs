@@ -26,8 +26,8 @@
 //!   seq varint (bit 1) | op u8 (bit 2) | previous hash [16] (bit 3) |
 //!   replay id [16] (bit 4)`; layout 1 intents carry bit 0 at most.
 
-use crate::diff::ContentHash;
 use crate::event::Op;
+use crate::hash::ContentHash;
 use crate::stream::{Resource, StreamKey};
 
 use super::{Intent, RecordState, Tombstone};

@@ -137,7 +137,7 @@ impl StreamJournal {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::diff::ContentHash;
+    use crate::hash::ContentHash;
 
     fn intent(byte: u8) -> Intent {
         Intent {

@@ -18,8 +18,8 @@ use std::path::PathBuf;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
-use crate::diff::ContentHash;
 use crate::event::Op;
+use crate::hash::ContentHash;
 use crate::stream::StreamKey;
 
 pub use acked::{Acked, DeleteCommit, Delivery, NotAcknowledged, PageCommit};

@@ -682,7 +682,7 @@ fn map_io_error(path: PathBuf, source: io::Error) -> StateError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::diff::ContentHash;
+    use crate::hash::ContentHash;
     use crate::state::{Delivery, ReplayState};
     use crate::stream::Resource;
     use chrono::TimeZone;

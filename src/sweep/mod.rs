@@ -34,14 +34,13 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 pub use crate::state::SweepKind;
-pub use page::{
-    dedupe, format_micros, parse_micros, plan_page, Doomed, KnownRecords, PagePlan, PendingChange,
-};
+pub use page::{dedupe, plan_page, Doomed, KnownRecords, PagePlan, PendingChange};
 
 use crate::config::OnRecordError;
 use crate::crashpoint;
-use crate::diff::{DiffError, IgnoreKeys, SweepMode};
+use crate::diff::SweepMode;
 use crate::event::{self, Event, Op};
+use crate::hash::{HashError, IgnoreKeys};
 use crate::sinks::Sink;
 use crate::state::ledger::{FullRetry, SweepEnd};
 use crate::state::{
@@ -51,8 +50,8 @@ use crate::stream::{Resource, StreamKey};
 use crate::telemetry::metric;
 use crate::upstream::client::UpstreamClient;
 use crate::upstream::error::UpstreamError;
-use crate::upstream::pagination::{page_limit, ListQuery};
-use crate::upstream::{Page, Record};
+use crate::upstream::page::{ListQuery, Page, Record};
+use crate::upstream::pagination::page_limit;
 
 /// Settings of a sweep, derived from `[poll]`.
 #[derive(Debug, Clone)]
@@ -131,7 +130,7 @@ pub enum SweepError {
         /// The record id.
         record_id: i64,
         /// What was wrong.
-        source: DiffError,
+        source: HashError,
     },
     /// Shutdown was requested; the sweep stopped between two pages.
     #[error("sweep stopped early by shutdown or a replay request")]

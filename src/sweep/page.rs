@@ -15,11 +15,12 @@ use chrono::{DateTime, Utc};
 use serde_json::value::RawValue;
 
 use super::SweepError;
-use crate::diff::{content_hash, plan_change, Change, ContentHash, IgnoreKeys, Known};
-use crate::event::{self, Event, Op, RecordChange};
+use crate::diff::{plan_change, Change, Known};
+use crate::event::{self, format_micros, updated_at_micros, Event, Op, RecordChange};
+use crate::hash::{content_hash, ContentHash, IgnoreKeys};
 use crate::state::{Intent, RecordState, SweepPlan, Tombstone};
 use crate::stream::StreamKey;
-use crate::upstream::Record;
+use crate::upstream::page::Record;
 
 /// What the store knows about the records of one page.
 #[derive(Debug, Clone, Default)]
@@ -150,7 +151,7 @@ pub fn plan_page<'a>(
                 record,
                 hash,
                 change,
-                updated_at_micros: parse_micros(record.updated_at.as_deref()),
+                updated_at_micros: record.updated_at.as_deref().and_then(updated_at_micros),
             }),
         }
     }
@@ -276,18 +277,6 @@ fn delete_data(id: i64) -> Box<RawValue> {
     RawValue::from_string(format!("{{\"id\":{id}}}")).unwrap_or_else(|_| RawValue::NULL.to_owned())
 }
 
-/// Parses an API timestamp into unix microseconds (None when absent or unreadable).
-pub fn parse_micros(updated_at: Option<&str>) -> Option<i64> {
-    updated_at
-        .and_then(|s| DateTime::parse_from_rfc3339(s).ok())
-        .map(|t| t.with_timezone(&Utc).timestamp_micros())
-}
-
-/// Formats unix microseconds the way events carry times.
-pub fn format_micros(micros: i64) -> Option<String> {
-    DateTime::<Utc>::from_timestamp_micros(micros).map(event::format_time)
-}
-
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -322,7 +311,7 @@ mod tests {
     fn committed(r: &Record, seq: u64) -> RecordState {
         RecordState {
             hash: content_hash(r.raw.get(), &ignore()).unwrap(),
-            updated_at: parse_micros(r.updated_at.as_deref()),
+            updated_at: r.updated_at.as_deref().and_then(updated_at_micros),
             seen_epoch: 2,
             generation: 0,
             seq,
@@ -436,16 +425,5 @@ mod tests {
         let journalled = from_commit.intent();
         let again = Doomed::new(3, Some(&committed), Some(&journalled), Some([1; 16]));
         assert_eq!(again, from_commit);
-    }
-
-    #[test]
-    fn timestamps_round_trip_through_micros() {
-        let micros = parse_micros(Some("2026-01-01T00:00:00.5Z")).unwrap();
-        assert_eq!(
-            format_micros(micros).as_deref(),
-            Some("2026-01-01T00:00:00.500000Z")
-        );
-        assert_eq!(parse_micros(Some("yesterday")), None);
-        assert_eq!(parse_micros(None), None);
     }
 }

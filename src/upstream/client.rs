@@ -12,16 +12,14 @@ use bytes::Bytes;
 use chrono::{DateTime, NaiveDateTime, Utc};
 use reqwest::header::{HeaderMap, HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_TYPE, RETRY_AFTER};
 use reqwest::{Method, StatusCode};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use url::Url;
 
 use super::error::UpstreamError;
-use super::model::RedeemRequest;
-use super::pagination::decode_record;
+use super::page::{decode_page, decode_record, DecodedPage, ListQuery, Page, Record};
 use super::ratelimit::RateBudget;
-use super::Record;
-use crate::stream::TenantId;
+use crate::stream::{Resource, TenantId};
 use crate::telemetry::metric;
 
 /// Longest upstream error text kept in an error message, in characters.
@@ -75,6 +73,21 @@ fn default_base_url() -> Url {
     }
 }
 
+/// Body of `POST /tenants/{tenant}/redemptions`. The spec does not name the
+/// amount field; it is assumed to be `amount` (major units), as the simulator reads it.
+#[derive(Debug, Clone, PartialEq, Default, Serialize)]
+pub struct RedeemRequest {
+    /// Short-lived token from the (not shown) resolve operation.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub redemption_token: Option<String>,
+    /// Purchased voucher id, the alternative to the token.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub voucher_id: Option<i64>,
+    /// Amount to redeem in major units (assumed name).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub amount: Option<f64>,
+}
+
 /// Async client for the shown endpoints of the External Voucher API; cheap to clone.
 #[derive(Clone)]
 pub struct UpstreamClient {
@@ -119,17 +132,17 @@ enum RetryPolicy {
 }
 
 /// One logical request (retried as a unit).
-pub(crate) struct Call {
+struct Call {
     /// Tenant label for metrics and logs.
-    pub(crate) tenant: TenantId,
+    tenant: TenantId,
     /// Resource label for metrics and logs (`vouchers`, `categories`, `redemptions`).
-    pub(crate) resource: &'static str,
+    resource: &'static str,
     /// HTTP method.
     method: Method,
     /// Full URL with query.
     url: Url,
     /// Path below the base URL, for messages.
-    pub(crate) path: String,
+    path: String,
     /// JSON body, if any.
     body: Option<Bytes>,
     /// What may be retried.
@@ -240,6 +253,47 @@ impl UpstreamClient {
         self.get_one(tenant, "categories", id).await
     }
 
+    /// One list request (with its retries): `GET /tenants/{tenant}/catalog/{resource}` with `q`.
+    pub async fn list_page(
+        &self,
+        tenant: TenantId,
+        resource: Resource,
+        q: &ListQuery,
+    ) -> Result<Page, UpstreamError> {
+        let tenant_segment = tenant.to_string();
+        let (mut url, path) =
+            self.endpoint(&["tenants", &tenant_segment, "catalog", resource.as_str()]);
+        let pairs = q.pairs(resource);
+        if !pairs.is_empty() {
+            url.query_pairs_mut().extend_pairs(pairs);
+        }
+        let call = self.get_call(tenant, resource.as_str(), url, path);
+        let DecodedPage {
+            page,
+            skipped_records,
+        } = self.execute(&call, decode_page).await?;
+        for skipped in &skipped_records {
+            tracing::warn!(
+                tenant,
+                resource = resource.as_str(),
+                position = skipped.position,
+                cursor = q.cursor.as_deref().unwrap_or(""),
+                reason = %skipped.reason,
+                "skipping a listed record without a usable integer id"
+            );
+        }
+        // Pages and records seen are counted by the sweep; skips only the client can see.
+        if !skipped_records.is_empty() {
+            metrics::counter!(
+                metric::RECORDS_SKIPPED,
+                "tenant" => tenant.to_string(),
+                "resource" => resource.as_str()
+            )
+            .increment(skipped_records.len() as u64);
+        }
+        Ok(page)
+    }
+
     /// `POST /tenants/{tenant}/redemptions`: the redemption result (`data`); retried only on 429.
     pub async fn redeem(
         &self,
@@ -297,13 +351,7 @@ impl UpstreamClient {
     }
 
     /// A retried GET of `url`.
-    pub(crate) fn get_call(
-        &self,
-        tenant: TenantId,
-        resource: &'static str,
-        url: Url,
-        path: String,
-    ) -> Call {
+    fn get_call(&self, tenant: TenantId, resource: &'static str, url: Url, path: String) -> Call {
         Call {
             tenant,
             resource,
@@ -316,7 +364,7 @@ impl UpstreamClient {
     }
 
     /// The URL of `segments` below the base URL, and its path for messages (`/tenants/3/catalog/vouchers`).
-    pub(crate) fn endpoint(&self, segments: &[&str]) -> (Url, String) {
+    fn endpoint(&self, segments: &[&str]) -> (Url, String) {
         let mut url = self.inner.opts.base_url.clone();
         if let Ok(mut path) = url.path_segments_mut() {
             path.pop_if_empty().extend(segments);
@@ -325,7 +373,7 @@ impl UpstreamClient {
     }
 
     /// Runs `call` until it succeeds, fails for good, or uses up its attempts; `decode` turns a 2xx body into the result.
-    pub(crate) async fn execute<T>(
+    async fn execute<T>(
         &self,
         call: &Call,
         decode: impl Fn(&[u8]) -> Result<T, String>,

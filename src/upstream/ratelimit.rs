@@ -16,7 +16,7 @@ use governor::state::{InMemoryState, NotKeyed};
 use governor::{Quota, RateLimiter};
 use tokio::time::Instant;
 
-use super::client::SecretToken;
+use crate::secret::Secret;
 
 /// The window the upstream counts requests in (`requests_per_minute`).
 const MINUTE: Duration = Duration::from_secs(60);
@@ -210,7 +210,7 @@ impl BudgetRegistry {
     }
 
     /// The budget of `token`, created with `requests_per_minute` on first use; the same token always gets the same budget.
-    pub fn budget_for(&self, token: &SecretToken, requests_per_minute: u32) -> Arc<RateBudget> {
+    pub fn budget_for(&self, token: &Secret, requests_per_minute: u32) -> Arc<RateBudget> {
         let key = *blake3::hash(token.expose().as_bytes()).as_bytes();
         let mut budgets = self
             .budgets
@@ -452,9 +452,9 @@ mod tests {
     #[test]
     fn the_same_token_gets_the_same_budget_and_another_token_its_own() {
         let registry = BudgetRegistry::new();
-        let a = registry.budget_for(&SecretToken::new("token-a"), 120);
-        let again = registry.budget_for(&SecretToken::new("token-a"), 60);
-        let b = registry.budget_for(&SecretToken::new("token-b"), 60);
+        let a = registry.budget_for(&Secret::new("token-a"), 120);
+        let again = registry.budget_for(&Secret::new("token-a"), 60);
+        let b = registry.budget_for(&Secret::new("token-b"), 60);
         assert!(Arc::ptr_eq(&a, &again));
         assert!(!Arc::ptr_eq(&a, &b));
         assert_eq!(again.requests(), 120);

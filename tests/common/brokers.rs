@@ -16,8 +16,8 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{BorrowedMessage, Headers};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use serde_json::value::RawValue;
-use voucher_cdc::diff::ContentHash;
 use voucher_cdc::event::{record_event, Event, Op, RecordChange};
+use voucher_cdc::hash::ContentHash;
 use voucher_cdc::sinks::Sink;
 use voucher_cdc::stream::StreamKey;
 

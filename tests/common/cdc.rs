@@ -13,7 +13,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use voucher_cdc::diff::{content_hash, IgnoreKeys};
+use voucher_cdc::hash::{content_hash, IgnoreKeys};
 use voucher_cdc::simulator::Simulator;
 use voucher_cdc::stream::Resource;
 

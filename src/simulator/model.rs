@@ -1,4 +1,6 @@
-//! Serde types for every resource of the External Voucher API spec.
+//! Serde types for every resource of the External Voucher API spec: the
+//! simulator's wire model (the bridge reads records as raw JSON and needs none
+//! of it).
 //!
 //! They exist so the simulator writes, and tests read, exactly the shapes the
 //! spec's tables describe: a field marked "required" must be present, a field
@@ -372,21 +374,6 @@ pub struct Actor {
     pub id: i64,
     /// Actor name.
     pub name: String,
-}
-
-/// Body of `POST /tenants/{tenant}/redemptions`. The spec does not name the
-/// amount field; the simulator calls it `amount` (major units).
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
-pub struct RedeemRequest {
-    /// Short-lived token from the (not shown) resolve operation.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub redemption_token: Option<String>,
-    /// Purchased voucher id, the alternative to the token.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub voucher_id: Option<i64>,
-    /// Amount to redeem in major units (assumed name).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub amount: Option<f64>,
 }
 
 /// The collection envelope of list responses.

@@ -1,0 +1,1124 @@
+//! The canonical form of a record's JSON, written by a single pass over the
+//! raw text (no `serde_json::Value`, no trip of numbers through `f64`):
+//!
+//! * object keys are sorted by the bytes of their canonical form;
+//! * whitespace outside strings is dropped;
+//! * strings are re-escaped canonically: only `"`, `\` and control characters
+//!   are escaped (`\b \f \n \r \t`, others as lowercase `\u00xx`); every other
+//!   character, however the input escaped it, is written as raw UTF-8;
+//! * numbers are compared by value, exactly: the decimal text is normalised to
+//!   `[-]digits[eEXP]` (leading zeros and trailing zeros dropped, the exponent
+//!   folded in), so `25`, `25.0`, `25.00` and `2.5e1` hash the same and integers
+//!   beyond 2^53 stay exact;
+//! * members whose key is in [`IgnoreKeys`] are dropped at any depth (inside
+//!   nested objects and objects inside arrays).
+//!
+//! Duplicate keys are kept, in input order among themselves. The full
+//! specification is in docs/state.md ("The canonical form").
+
+use std::cell::RefCell;
+
+use super::{HashError, IgnoreKeys};
+
+/// Deepest nesting of arrays and objects accepted, to bound recursion.
+const MAX_DEPTH: usize = 128;
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Runs `use_bytes` over the canonical form of `raw`, built in this thread's
+/// reusable buffers.
+pub(super) fn with_canonical<R>(
+    raw: &str,
+    ignore: &IgnoreKeys,
+    use_bytes: impl FnOnce(&[u8]) -> R,
+) -> Result<R, HashError> {
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut scratch) => canonicalize_then(&mut scratch, raw, ignore, use_bytes),
+        // Only reachable when `use_bytes` itself canonicalises.
+        Err(_) => canonicalize_then(&mut Scratch::default(), raw, ignore, use_bytes),
+    })
+}
+
+/// Canonicalises `raw` into `scratch`, hands the bytes to `use_bytes`, then
+/// shrinks the buffers.
+fn canonicalize_then<R>(
+    scratch: &mut Scratch,
+    raw: &str,
+    ignore: &IgnoreKeys,
+    use_bytes: impl FnOnce(&[u8]) -> R,
+) -> Result<R, HashError> {
+    canonicalize(scratch, raw, ignore)?;
+    let result = use_bytes(&scratch.out);
+    // Do not let one huge record pin a huge buffer for the thread's lifetime.
+    scratch.shrink();
+    Ok(result)
+}
+
+/// A key name in the canonical escaped form object keys are compared in
+/// (without quotes).
+pub(super) fn escape_key(key: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(key.len());
+    for ch in key.chars() {
+        write_char(&mut out, ch);
+    }
+    out
+}
+
+/// Reusable buffers, so hashing a record allocates nothing in steady state.
+#[derive(Default)]
+struct Scratch {
+    /// Canonical output.
+    out: Vec<u8>,
+    /// Member spans of the objects currently open, innermost last.
+    members: Vec<Member>,
+    /// Copy of an unsorted object's members while they are reordered.
+    reorder: Vec<u8>,
+    /// Number digits while a number is normalised.
+    digits: Vec<u8>,
+}
+
+impl Scratch {
+    fn shrink(&mut self) {
+        const KEEP: usize = 1 << 20;
+        if self.out.capacity() > KEEP {
+            self.out = Vec::new();
+        }
+        if self.reorder.capacity() > KEEP {
+            self.reorder = Vec::new();
+        }
+        if self.members.capacity() > KEEP / 16 {
+            self.members = Vec::new();
+        }
+    }
+}
+
+/// Byte spans (in `Scratch::out`) of one object member: `"key":value`.
+#[derive(Clone, Copy)]
+struct Member {
+    /// Start of the opening quote of the key.
+    start: u32,
+    /// End of the closing quote of the key (the `:` follows).
+    key_end: u32,
+    /// End of the value.
+    end: u32,
+    /// The key's first eight bytes, big-endian, zero-padded: orders most keys
+    /// without touching the bytes again.
+    prefix: u64,
+}
+
+impl Member {
+    fn key<'a>(&self, out: &'a [u8]) -> &'a [u8] {
+        &out[self.start as usize + 1..self.key_end as usize - 1]
+    }
+}
+
+/// The first eight bytes of `key` as a big-endian integer, zero-padded.
+///
+/// Canonical key bytes are never zero (control characters are escaped), so
+/// comparing prefixes and then, on a tie, whole keys is byte order.
+#[inline]
+fn key_prefix(key: &[u8]) -> u64 {
+    let mut buf = [0u8; 8];
+    let n = key.len().min(8);
+    buf[..n].copy_from_slice(&key[..n]);
+    u64::from_be_bytes(buf)
+}
+
+/// Byte order of two keys, given their prefixes.
+#[inline]
+fn cmp_keys(a_prefix: u64, a: &[u8], b_prefix: u64, b: &[u8]) -> std::cmp::Ordering {
+    a_prefix.cmp(&b_prefix).then_with(|| a.cmp(b))
+}
+
+fn canonicalize(scratch: &mut Scratch, raw: &str, ignore: &IgnoreKeys) -> Result<(), HashError> {
+    scratch.out.clear();
+    scratch.members.clear();
+    if raw.len() >= u32::MAX as usize / 2 {
+        return Err(HashError::InvalidJson {
+            offset: 0,
+            reason: "record larger than 2 GiB",
+        });
+    }
+    let mut parser = Parser {
+        input: raw.as_bytes(),
+        pos: 0,
+        ignore,
+        scratch,
+    };
+    parser.skip_ws();
+    parser.value(0)?;
+    parser.skip_ws();
+    if parser.pos != parser.input.len() {
+        return Err(parser.error("trailing characters after the json value"));
+    }
+    Ok(())
+}
+
+struct Parser<'a, 's> {
+    input: &'a [u8],
+    pos: usize,
+    ignore: &'a IgnoreKeys,
+    scratch: &'s mut Scratch,
+}
+
+impl Parser<'_, '_> {
+    fn error(&self, reason: &'static str) -> HashError {
+        HashError::InvalidJson {
+            offset: self.pos,
+            reason,
+        }
+    }
+
+    #[inline]
+    fn peek(&self) -> Option<u8> {
+        self.input.get(self.pos).copied()
+    }
+
+    #[inline]
+    fn skip_ws(&mut self) {
+        while let Some(b' ' | b'\n' | b'\r' | b'\t') = self.peek() {
+            self.pos += 1;
+        }
+    }
+
+    fn value(&mut self, depth: usize) -> Result<(), HashError> {
+        match self.peek() {
+            Some(b'{') => self.object(depth + 1),
+            Some(b'[') => self.array(depth + 1),
+            Some(b'"') => self.string(),
+            Some(b'-' | b'0'..=b'9') => self.number(),
+            Some(b't') => self.literal(b"true"),
+            Some(b'f') => self.literal(b"false"),
+            Some(b'n') => self.literal(b"null"),
+            Some(_) => Err(self.error("expected a json value")),
+            None => Err(self.error("unexpected end of input, expected a json value")),
+        }
+    }
+
+    fn literal(&mut self, word: &'static [u8]) -> Result<(), HashError> {
+        if self.input[self.pos..].starts_with(word) {
+            self.pos += word.len();
+            self.scratch.out.extend_from_slice(word);
+            Ok(())
+        } else {
+            Err(self.error("invalid literal, expected true, false or null"))
+        }
+    }
+
+    fn array(&mut self, depth: usize) -> Result<(), HashError> {
+        if depth > MAX_DEPTH {
+            return Err(self.error("nesting deeper than 128 levels"));
+        }
+        self.pos += 1; // '['
+        self.scratch.out.push(b'[');
+        self.skip_ws();
+        if self.peek() == Some(b']') {
+            self.pos += 1;
+            self.scratch.out.push(b']');
+            return Ok(());
+        }
+        loop {
+            self.skip_ws();
+            self.value(depth)?;
+            self.skip_ws();
+            match self.peek() {
+                Some(b',') => {
+                    self.pos += 1;
+                    self.scratch.out.push(b',');
+                }
+                Some(b']') => {
+                    self.pos += 1;
+                    self.scratch.out.push(b']');
+                    return Ok(());
+                }
+                Some(_) => return Err(self.error("expected ',' or ']' in array")),
+                None => return Err(self.error("unexpected end of input inside an array")),
+            }
+        }
+    }
+
+    fn object(&mut self, depth: usize) -> Result<(), HashError> {
+        if depth > MAX_DEPTH {
+            return Err(self.error("nesting deeper than 128 levels"));
+        }
+        self.pos += 1; // '{'
+        let object_start = self.scratch.out.len();
+        self.scratch.out.push(b'{');
+        let first_member = self.scratch.members.len();
+        self.skip_ws();
+        if self.peek() == Some(b'}') {
+            self.pos += 1;
+            self.scratch.out.push(b'}');
+            return Ok(());
+        }
+        let mut sorted = true;
+        loop {
+            self.skip_ws();
+            if self.peek() != Some(b'"') {
+                return Err(self.error("expected a string key in object"));
+            }
+            let separator_at = self.scratch.out.len();
+            let written = self.scratch.members.len() - first_member;
+            if written > 0 {
+                self.scratch.out.push(b',');
+            }
+            let start = self.scratch.out.len();
+            self.string()?;
+            let key_end = self.scratch.out.len();
+            self.skip_ws();
+            if self.peek() != Some(b':') {
+                return Err(self.error("expected ':' after object key"));
+            }
+            self.pos += 1;
+            self.scratch.out.push(b':');
+            self.skip_ws();
+            self.value(depth)?;
+            let key = &self.scratch.out[start + 1..key_end - 1];
+            let member = Member {
+                start: start as u32,
+                key_end: key_end as u32,
+                end: self.scratch.out.len() as u32,
+                prefix: key_prefix(key),
+            };
+            if self.ignore.contains(key) {
+                self.scratch.out.truncate(separator_at);
+            } else {
+                if let Some(last) = self.scratch.members[first_member..].last() {
+                    let out = &self.scratch.out;
+                    if sorted && cmp_keys(last.prefix, last.key(out), member.prefix, key).is_gt() {
+                        sorted = false;
+                    }
+                }
+                self.scratch.members.push(member);
+            }
+            self.skip_ws();
+            match self.peek() {
+                Some(b',') => self.pos += 1,
+                Some(b'}') => {
+                    self.pos += 1;
+                    break;
+                }
+                Some(_) => return Err(self.error("expected ',' or '}' in object")),
+                None => return Err(self.error("unexpected end of input inside an object")),
+            }
+        }
+        if !sorted {
+            self.reorder(object_start, first_member);
+        }
+        self.scratch.members.truncate(first_member);
+        self.scratch.out.push(b'}');
+        Ok(())
+    }
+
+    /// Rewrites the members of the object starting at `object_start` in key order.
+    fn reorder(&mut self, object_start: usize, first_member: usize) {
+        let scratch = &mut *self.scratch;
+        let body_start = object_start + 1;
+        scratch.reorder.clear();
+        scratch
+            .reorder
+            .extend_from_slice(&scratch.out[body_start..]);
+        let copy = &scratch.reorder;
+        let members = &mut scratch.members[first_member..];
+        let offset = body_start as u32;
+        // Stable: duplicate keys keep their input order.
+        members.sort_by(|a, b| {
+            let ka = &copy[(a.start - offset) as usize + 1..(a.key_end - offset) as usize - 1];
+            let kb = &copy[(b.start - offset) as usize + 1..(b.key_end - offset) as usize - 1];
+            cmp_keys(a.prefix, ka, b.prefix, kb)
+        });
+        scratch.out.truncate(body_start);
+        for (i, m) in members.iter().enumerate() {
+            if i > 0 {
+                scratch.out.push(b',');
+            }
+            scratch
+                .out
+                .extend_from_slice(&copy[(m.start - offset) as usize..(m.end - offset) as usize]);
+        }
+    }
+
+    fn string(&mut self) -> Result<(), HashError> {
+        self.pos += 1; // opening quote
+        self.scratch.out.push(b'"');
+        loop {
+            // Fast path: copy a run of bytes that need no escaping.
+            let run_start = self.pos;
+            self.pos = plain_run_end(self.input, self.pos);
+            self.scratch
+                .out
+                .extend_from_slice(&self.input[run_start..self.pos]);
+            match self.peek() {
+                Some(b'"') => {
+                    self.pos += 1;
+                    self.scratch.out.push(b'"');
+                    return Ok(());
+                }
+                Some(b'\\') => {
+                    self.pos += 1;
+                    self.escape()?;
+                }
+                Some(_) => return Err(self.error("control character inside a string")),
+                None => return Err(self.error("unexpected end of input inside a string")),
+            }
+        }
+    }
+
+    /// Decodes one escape (after the backslash) and writes it canonically.
+    fn escape(&mut self) -> Result<(), HashError> {
+        let ch = match self.peek() {
+            Some(b'"') => '"',
+            Some(b'\\') => '\\',
+            Some(b'/') => '/',
+            Some(b'b') => '\u{8}',
+            Some(b'f') => '\u{c}',
+            Some(b'n') => '\n',
+            Some(b'r') => '\r',
+            Some(b't') => '\t',
+            Some(b'u') => {
+                self.pos += 1;
+                let unit = self.hex4()?;
+                return self.unicode_escape(unit);
+            }
+            Some(_) => return Err(self.error("invalid escape in string")),
+            None => return Err(self.error("unexpected end of input inside a string")),
+        };
+        self.pos += 1;
+        write_char(&mut self.scratch.out, ch);
+        Ok(())
+    }
+
+    /// Writes the character of a `\uXXXX` escape, joining surrogate pairs.
+    fn unicode_escape(&mut self, unit: u16) -> Result<(), HashError> {
+        let ch = match unit {
+            0xD800..=0xDBFF if self.input[self.pos..].starts_with(b"\\u") => {
+                let before_low = self.pos;
+                self.pos += 2;
+                let low = self.hex4()?;
+                if (0xDC00..=0xDFFF).contains(&low) {
+                    let code =
+                        0x10000 + ((u32::from(unit) - 0xD800) << 10) + (u32::from(low) - 0xDC00);
+                    char::from_u32(code)
+                } else {
+                    self.pos = before_low;
+                    None
+                }
+            }
+            0xD800..=0xDFFF => None,
+            _ => char::from_u32(u32::from(unit)),
+        };
+        match ch {
+            Some(ch) => write_char(&mut self.scratch.out, ch),
+            None => {
+                // A lone surrogate has no UTF-8 form: keep it as a canonical
+                // lowercase escape.
+                let out = &mut self.scratch.out;
+                out.extend_from_slice(b"\\u");
+                for shift in [12u32, 8, 4, 0] {
+                    out.push(HEX[usize::from((unit >> shift) & 0xf)]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn hex4(&mut self) -> Result<u16, HashError> {
+        let Some(digits) = self.input.get(self.pos..self.pos + 4) else {
+            return Err(self.error("truncated \\u escape"));
+        };
+        let mut value: u16 = 0;
+        for &d in digits {
+            let nibble = match d {
+                b'0'..=b'9' => d - b'0',
+                b'a'..=b'f' => d - b'a' + 10,
+                b'A'..=b'F' => d - b'A' + 10,
+                _ => return Err(self.error("invalid hex digit in \\u escape")),
+            };
+            value = (value << 4) | u16::from(nibble);
+        }
+        self.pos += 4;
+        Ok(value)
+    }
+
+    fn digit_run(&mut self) -> usize {
+        let start = self.pos;
+        while let Some(b'0'..=b'9') = self.peek() {
+            self.pos += 1;
+        }
+        self.pos - start
+    }
+
+    /// Writes a number as `[-]digits[eEXP]` with no leading or trailing zeros
+    /// in `digits`, except that an exponent in 0..=15 is written as plain
+    /// trailing zeros (so integers look like integers). Zero is `0`.
+    fn number(&mut self) -> Result<(), HashError> {
+        let number_start = self.pos;
+        let out_of_range = HashError::InvalidJson {
+            offset: number_start,
+            reason: "number exponent out of range",
+        };
+        let negative = self.peek() == Some(b'-');
+        if negative {
+            self.pos += 1;
+        }
+        let int_start = self.pos;
+        match self.peek() {
+            Some(b'0') => {
+                self.pos += 1;
+                if let Some(b'0'..=b'9') = self.peek() {
+                    return Err(self.error("leading zero in number"));
+                }
+            }
+            Some(b'1'..=b'9') => {
+                self.digit_run();
+            }
+            _ => return Err(self.error("expected a digit in number")),
+        }
+        let int_end = self.pos;
+        let mut frac = (self.pos, self.pos);
+        if self.peek() == Some(b'.') {
+            self.pos += 1;
+            let start = self.pos;
+            if self.digit_run() == 0 {
+                return Err(self.error("expected a digit after the decimal point"));
+            }
+            frac = (start, self.pos);
+        }
+        let mut exponent: i64 = 0;
+        if let Some(b'e' | b'E') = self.peek() {
+            self.pos += 1;
+            let exp_negative = match self.peek() {
+                Some(b'-') => {
+                    self.pos += 1;
+                    true
+                }
+                Some(b'+') => {
+                    self.pos += 1;
+                    false
+                }
+                _ => false,
+            };
+            let start = self.pos;
+            if self.digit_run() == 0 {
+                return Err(self.error("expected a digit in the exponent"));
+            }
+            for &d in &self.input[start..self.pos] {
+                exponent = exponent
+                    .checked_mul(10)
+                    .and_then(|e| e.checked_add(i64::from(d - b'0')))
+                    .ok_or_else(|| out_of_range.clone())?;
+            }
+            if exp_negative {
+                exponent = -exponent;
+            }
+        }
+        let input = self.input;
+        let int_digits = &input[int_start..int_end];
+        if frac.0 == frac.1 && exponent == 0 && int_digits.len() <= 16 {
+            // Fast path for plain integers: a leading digit is never zero and
+            // at most 15 trailing zeros fit, so the text is already canonical.
+            let out = &mut self.scratch.out;
+            if negative && int_digits != b"0" {
+                out.push(b'-');
+            }
+            out.extend_from_slice(int_digits);
+            return Ok(());
+        }
+        let frac_digits = &input[frac.0..frac.1];
+        let digits = &mut self.scratch.digits;
+        digits.clear();
+        digits.extend_from_slice(int_digits);
+        digits.extend_from_slice(frac_digits);
+        let leading = digits.iter().take_while(|&&d| d == b'0').count();
+        if leading == digits.len() {
+            self.scratch.out.push(b'0');
+            return Ok(());
+        }
+        let trailing = digits.iter().rev().take_while(|&&d| d == b'0').count();
+        let significant = &digits[leading..digits.len() - trailing];
+        let exponent = i64::try_from(trailing)
+            .ok()
+            .and_then(|t| exponent.checked_add(t))
+            .and_then(|e| {
+                i64::try_from(frac_digits.len())
+                    .ok()
+                    .and_then(|f| e.checked_sub(f))
+            })
+            .ok_or(out_of_range)?;
+        let out = &mut self.scratch.out;
+        if negative {
+            out.push(b'-');
+        }
+        out.extend_from_slice(significant);
+        if (0..=15).contains(&exponent) {
+            out.resize(out.len() + exponent as usize, b'0');
+        } else {
+            out.push(b'e');
+            write_i64(out, exponent);
+        }
+        Ok(())
+    }
+}
+
+/// The end of the run of string bytes starting at `pos` that need no
+/// escaping (no `"`, `\\` or control character), eight bytes at a time.
+#[inline]
+fn plain_run_end(input: &[u8], mut pos: usize) -> usize {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    while let Some((chunk, _)) = input
+        .get(pos..)
+        .and_then(|rest| rest.split_first_chunk::<8>())
+    {
+        let word = u64::from_le_bytes(*chunk);
+        // Classic SWAR tests; each is exact for the lowest matching byte,
+        // which is the only one used.
+        let control = word.wrapping_sub(ONES * 0x20) & !word & HIGH;
+        let quote = word ^ (ONES * u64::from(b'"'));
+        let quote = quote.wrapping_sub(ONES) & !quote & HIGH;
+        let backslash = word ^ (ONES * u64::from(b'\\'));
+        let backslash = backslash.wrapping_sub(ONES) & !backslash & HIGH;
+        let hits = control | quote | backslash;
+        if hits != 0 {
+            return pos + (hits.trailing_zeros() / 8) as usize;
+        }
+        pos += 8;
+    }
+    while let Some(&b) = input.get(pos) {
+        if b == b'"' || b == b'\\' || b < 0x20 {
+            break;
+        }
+        pos += 1;
+    }
+    pos
+}
+
+/// Writes an integer in decimal.
+fn write_i64(out: &mut Vec<u8>, value: i64) {
+    if value < 0 {
+        out.push(b'-');
+    }
+    let mut magnitude = value.unsigned_abs();
+    let mut buf = [0u8; 20];
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (magnitude % 10) as u8;
+        magnitude /= 10;
+        if magnitude == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&buf[i..]);
+}
+
+/// Writes one character in canonical escaped form.
+#[inline]
+fn write_char(out: &mut Vec<u8>, ch: char) {
+    match ch {
+        '"' => out.extend_from_slice(b"\\\""),
+        '\\' => out.extend_from_slice(b"\\\\"),
+        '\u{8}' => out.extend_from_slice(b"\\b"),
+        '\u{c}' => out.extend_from_slice(b"\\f"),
+        '\n' => out.extend_from_slice(b"\\n"),
+        '\r' => out.extend_from_slice(b"\\r"),
+        '\t' => out.extend_from_slice(b"\\t"),
+        c if (c as u32) < 0x20 => {
+            out.extend_from_slice(b"\\u00");
+            let v = c as u8;
+            out.push(HEX[(v >> 4) as usize]);
+            out.push(HEX[(v & 0xf) as usize]);
+        }
+        c => {
+            let mut buf = [0u8; 4];
+            out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+        }
+    }
+}
+
+const HEX: &[u8; 16] = b"0123456789abcdef";
+
+#[cfg(test)]
+#[cfg(test)]
+mod tests {
+    use super::super::{canonical_json, content_hash, ContentHash};
+    use super::*;
+    use proptest::prelude::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    fn hash(raw: &str) -> ContentHash {
+        content_hash(raw, &IgnoreKeys::new(["updated_at"])).unwrap()
+    }
+
+    fn canonical(raw: &str) -> String {
+        let mut out = Vec::new();
+        canonical_json(raw, &IgnoreKeys::none(), &mut out).unwrap();
+        String::from_utf8(out).unwrap()
+    }
+
+    fn error(raw: &str) -> String {
+        content_hash(raw, &IgnoreKeys::new(["updated_at"]))
+            .unwrap_err()
+            .to_string()
+    }
+
+    #[test]
+    fn canonical_form_sorts_keys_drops_whitespace_and_normalises_numbers() {
+        assert_eq!(
+            canonical(" { \"b\" : 1 , \"a\" : [ 2.50 , { \"y\" : null , \"x\" : true } ] } "),
+            r#"{"a":[25e-1,{"x":true,"y":null}],"b":1}"#
+        );
+        assert_eq!(
+            canonical("[120, 1200000000000000000, 1e16, 0.001, -0.0]"),
+            "[120,12e17,1e16,1e-3,0]"
+        );
+    }
+
+    #[test]
+    fn equal_numbers_in_any_notation_hash_the_same() {
+        let forms = [
+            "25", "25.0", "25.00", "2.5e1", "2.5E+1", "250e-1", "0.25e2", "25000e-3",
+        ];
+        for form in forms {
+            assert_eq!(
+                hash(&format!("{{\"price\":{form}}}")),
+                hash("{\"price\":25}"),
+                "{form}"
+            );
+        }
+        for zero in ["0", "-0", "0.0", "-0.000", "0e10", "0E-3"] {
+            assert_eq!(hash(&format!("[{zero}]")), hash("[0]"), "{zero}");
+        }
+        assert_ne!(hash("[25]"), hash("[-25]"));
+        assert_ne!(hash("[25]"), hash("[2.5]"));
+        assert_ne!(hash("[25]"), hash("[\"25\"]"));
+    }
+
+    #[test]
+    fn integers_beyond_two_to_the_53_stay_exact() {
+        assert_ne!(hash("[9007199254740993]"), hash("[9007199254740992]"));
+        assert_eq!(hash("[9007199254740993]"), hash("[9007199254740993.000]"));
+        assert_ne!(
+            hash("[123456789012345678901234567890]"),
+            hash("[123456789012345678901234567891]")
+        );
+        assert_eq!(hash("[1e400]"), hash("[10e399]"));
+    }
+
+    #[test]
+    fn strings_hash_by_value_whatever_their_escapes() {
+        assert_eq!(hash(r#"["é"]"#), hash(r#"["\u00e9"]"#));
+        assert_eq!(hash(r#"["é"]"#), hash(r#"["\u00E9"]"#));
+        assert_eq!(hash(r#"["a/b"]"#), hash(r#"["a\/b"]"#));
+        assert_eq!(hash(r#"["A\n"]"#), hash(r#"["\u0041\u000a"]"#));
+        assert_eq!(hash(r#"["😀"]"#), hash(r#"["\ud83d\ude00"]"#));
+        assert_eq!(canonical(r#"["\u001f\"\\\b"]"#), r#"["\u001f\"\\\b"]"#);
+        // A lone surrogate stays a (canonical) escape, distinct from U+FFFD.
+        assert_eq!(canonical(r#"["\uD800x"]"#), r#"["\ud800x"]"#);
+        assert_ne!(hash(r#"["\ud800"]"#), hash("[\"\u{fffd}\"]"));
+    }
+
+    #[test]
+    fn ignored_keys_are_dropped_at_any_depth_including_objects_in_arrays() {
+        let a = r#"{"id":1,"updated_at":"2024-01-01T00:00:00Z","variants":[{"id":2,"updated_at":"x"}],"n":{"updated_at":1}}"#;
+        let b = r#"{"id":1,"updated_at":"2025-06-01T00:00:00Z","variants":[{"id":2,"updated_at":null}],"n":{}}"#;
+        assert_eq!(hash(a), hash(b));
+        assert_ne!(
+            content_hash(a, &IgnoreKeys::none()).unwrap(),
+            content_hash(b, &IgnoreKeys::none()).unwrap()
+        );
+        let custom = IgnoreKeys::new(["rank", "updated_at"]);
+        assert_eq!(
+            content_hash(r#"{"a":1,"rank":5}"#, &custom).unwrap(),
+            content_hash(r#"{"rank":7,"a":1}"#, &custom).unwrap()
+        );
+        // The key is matched by value, however it is escaped.
+        assert_eq!(hash(r#"{"a":1,"updated\u005fat":5}"#), hash(r#"{"a":1}"#));
+        // A string *value* equal to an ignored key name is kept.
+        assert_ne!(hash(r#"["updated_at"]"#), hash("[]"));
+    }
+
+    #[test]
+    fn dropping_the_first_member_leaves_valid_canonical_json() {
+        let mut out = Vec::new();
+        canonical_json(
+            r#"{"updated_at":1,"b":2,"a":1}"#,
+            &IgnoreKeys::new(["updated_at"]),
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(out, br#"{"a":1,"b":2}"#);
+        canonical_json(
+            r#"{"updated_at":1}"#,
+            &IgnoreKeys::new(["updated_at"]),
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(out, b"{}");
+    }
+
+    #[test]
+    fn invalid_json_is_reported_with_the_byte_offset_and_cause() {
+        assert_eq!(
+            error(r#"{"a":}"#),
+            "invalid json at byte 5: expected a json value"
+        );
+        assert_eq!(
+            error(r#"{"a" 1}"#),
+            "invalid json at byte 5: expected ':' after object key"
+        );
+        assert_eq!(
+            error("[1,2"),
+            "invalid json at byte 4: unexpected end of input inside an array"
+        );
+        assert_eq!(
+            error("[01]"),
+            "invalid json at byte 2: leading zero in number"
+        );
+        assert_eq!(
+            error("[1.]"),
+            "invalid json at byte 3: expected a digit after the decimal point"
+        );
+        assert_eq!(
+            error("[1e]"),
+            "invalid json at byte 3: expected a digit in the exponent"
+        );
+        assert_eq!(
+            error("{} x"),
+            "invalid json at byte 3: trailing characters after the json value"
+        );
+        assert_eq!(
+            error("[tru]"),
+            "invalid json at byte 1: invalid literal, expected true, false or null"
+        );
+        assert_eq!(
+            error("\"a\nb\""),
+            "invalid json at byte 2: control character inside a string"
+        );
+        assert_eq!(
+            error(r#"["\x"]"#),
+            "invalid json at byte 3: invalid escape in string"
+        );
+        assert_eq!(
+            error(r#"["\u12"]"#),
+            "invalid json at byte 4: invalid hex digit in \\u escape"
+        );
+        assert_eq!(
+            error("{1:2}"),
+            "invalid json at byte 1: expected a string key in object"
+        );
+        assert_eq!(
+            error(""),
+            "invalid json at byte 0: unexpected end of input, expected a json value"
+        );
+        assert_eq!(
+            error("[1e99999999999999999999]"),
+            "invalid json at byte 1: number exponent out of range"
+        );
+        let deep = "[".repeat(200) + &"]".repeat(200);
+        assert_eq!(
+            error(&deep),
+            "invalid json at byte 128: nesting deeper than 128 levels"
+        );
+    }
+
+    #[test]
+    fn canonical_json_agrees_with_serde_json_on_a_voucher_record() {
+        let raw = r#"{"id":7,"slug":"spa-day","title":"Spa \u0044ay","price":25.00,"sale_price":null,
+            "image_urls":["https:\/\/x\/1.jpg"],"category_refs":[{"id":3,"slug":"s","title":"T","sort_order":1}],
+            "variant_summaries":[],"is_monetary":false,"updated_at":"2024-05-01T10:00:00Z"}"#;
+        let mut out = Vec::new();
+        canonical_json(raw, &IgnoreKeys::none(), &mut out).unwrap();
+        let ours: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        let theirs: serde_json::Value = serde_json::from_str(raw).unwrap();
+        // Same document except the number notation of the price.
+        assert_eq!(ours["title"], theirs["title"]);
+        assert_eq!(ours["image_urls"], theirs["image_urls"]);
+        assert_eq!(ours["category_refs"], theirs["category_refs"]);
+        assert_eq!(ours["price"].as_f64(), theirs["price"].as_f64());
+    }
+
+    #[test]
+    fn the_word_at_a_time_string_scan_stops_at_the_first_special_byte() {
+        let text = "abcdefghijklmnopqrstuvwxyzé€😀";
+        for special in ["\"", "\\", "\n", "\u{1f}", "\u{0}"] {
+            for at in 0..=text.len() {
+                if !text.is_char_boundary(at) {
+                    continue;
+                }
+                let input = format!("{}{special}{}", &text[..at], &text[at..]);
+                assert_eq!(plain_run_end(input.as_bytes(), 0), at, "{input:?}");
+                assert_eq!(plain_run_end(input.as_bytes(), at.min(3)), at, "{input:?}");
+            }
+        }
+        assert_eq!(plain_run_end(text.as_bytes(), 0), text.len());
+    }
+
+    // ---- properties -------------------------------------------------------
+
+    /// A JSON value model; numbers are `(negative, mantissa, exponent)`.
+    #[derive(Debug, Clone)]
+    enum J {
+        Null,
+        Bool(bool),
+        Num(bool, u64, i32),
+        Str(String),
+        Arr(Vec<J>),
+        Obj(Vec<(String, J)>),
+    }
+
+    fn key_strategy() -> impl Strategy<Value = String> {
+        prop_oneof![
+            "[a-z_]{1,8}",
+            any::<String>().prop_map(|s| s.chars().take(6).collect()),
+        ]
+        .prop_filter("not an ignored key", |k| k != "updated_at")
+    }
+
+    fn json_strategy() -> impl Strategy<Value = J> {
+        let leaf = prop_oneof![
+            Just(J::Null),
+            any::<bool>().prop_map(J::Bool),
+            (any::<bool>(), any::<u64>(), -30i32..30).prop_map(|(n, m, e)| J::Num(n, m, e)),
+            (any::<bool>(), 0u64..1000, 0i32..3).prop_map(|(n, m, e)| J::Num(n, m, e)),
+            any::<String>().prop_map(J::Str),
+        ];
+        leaf.prop_recursive(4, 48, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(J::Arr),
+                prop::collection::vec((key_strategy(), inner), 0..6).prop_map(|members| {
+                    let mut seen = std::collections::HashSet::new();
+                    J::Obj(
+                        members
+                            .into_iter()
+                            .filter(|(k, _)| seen.insert(k.clone()))
+                            .collect(),
+                    )
+                }),
+            ]
+        })
+    }
+
+    /// Renders `j` as JSON; with `rng`, varies key order, number notation,
+    /// string escapes and whitespace, and adds ignored keys.
+    fn render(j: &J, rng: &mut Option<StdRng>, out: &mut String) {
+        let ws = |rng: &mut Option<StdRng>, out: &mut String| {
+            if let Some(r) = rng {
+                for _ in 0..r.random_range(0..3) {
+                    out.push([' ', '\n', '\t', '\r'][r.random_range(0..4)]);
+                }
+            }
+        };
+        ws(rng, out);
+        match j {
+            J::Null => out.push_str("null"),
+            J::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+            J::Num(neg, m, e) => render_number(*neg, *m, *e, rng, out),
+            J::Str(s) => render_string(s, rng, out),
+            J::Arr(items) => {
+                out.push('[');
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    render(item, rng, out);
+                }
+                out.push(']');
+            }
+            J::Obj(members) => {
+                let mut members: Vec<(String, J)> = members.clone();
+                if let Some(r) = rng {
+                    for i in (1..members.len()).rev() {
+                        members.swap(i, r.random_range(0..=i));
+                    }
+                    if r.random_bool(0.3) {
+                        let at = r.random_range(0..=members.len());
+                        members.insert(at, ("updated_at".into(), J::Num(false, r.random(), 0)));
+                    }
+                }
+                out.push('{');
+                for (i, (k, v)) in members.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    render_string(k, rng, out);
+                    ws(rng, out);
+                    out.push(':');
+                    render(v, rng, out);
+                }
+                out.push('}');
+            }
+        }
+        ws(rng, out);
+    }
+
+    fn render_number(neg: bool, m: u64, e: i32, rng: &mut Option<StdRng>, out: &mut String) {
+        let Some(r) = rng else {
+            out.push_str(&format!("{}{m}e{e}", if neg { "-" } else { "" }));
+            return;
+        };
+        // value = m * 10^e; pad the mantissa with zeros, then place the point.
+        let pad = r.random_range(0..4usize);
+        let digits = format!("{m}{}", "0".repeat(pad));
+        let exp = i64::from(e) - pad as i64;
+        let point = r.random_range(0..=digits.len());
+        let (int, frac) = digits.split_at(point);
+        let int = int.trim_start_matches('0');
+        let shown_exp = exp + frac.len() as i64;
+        if neg {
+            out.push('-');
+        }
+        out.push_str(if int.is_empty() { "0" } else { int });
+        if !frac.is_empty() {
+            out.push('.');
+            out.push_str(frac);
+        }
+        if shown_exp != 0 || r.random_bool(0.2) {
+            out.push(if r.random_bool(0.5) { 'e' } else { 'E' });
+            if shown_exp >= 0 && r.random_bool(0.5) {
+                out.push('+');
+            }
+            out.push_str(&shown_exp.to_string());
+        }
+    }
+
+    fn render_string(s: &str, rng: &mut Option<StdRng>, out: &mut String) {
+        out.push('"');
+        for ch in s.chars() {
+            let must_escape = ch == '"' || ch == '\\' || (ch as u32) < 0x20;
+            let escape = must_escape || rng.as_mut().is_some_and(|r| r.random_bool(0.2));
+            if !escape {
+                out.push(ch);
+                continue;
+            }
+            let short = match ch {
+                '"' => Some("\\\""),
+                '\\' => Some("\\\\"),
+                '/' => Some("\\/"),
+                '\n' => Some("\\n"),
+                '\t' => Some("\\t"),
+                '\r' => Some("\\r"),
+                '\u{8}' => Some("\\b"),
+                '\u{c}' => Some("\\f"),
+                _ => None,
+            };
+            let use_short = short.is_some() && rng.as_mut().is_none_or(|r| r.random_bool(0.5));
+            match short {
+                Some(text) if use_short => out.push_str(text),
+                _ => {
+                    let upper = rng.as_mut().is_some_and(|r| r.random_bool(0.5));
+                    let mut units = [0u16; 2];
+                    for unit in ch.encode_utf16(&mut units) {
+                        if upper {
+                            out.push_str(&format!("\\u{unit:04X}"));
+                        } else {
+                            out.push_str(&format!("\\u{unit:04x}"));
+                        }
+                    }
+                }
+            }
+        }
+        out.push('"');
+    }
+
+    fn plain(j: &J) -> String {
+        let mut out = String::new();
+        render(j, &mut None, &mut out);
+        out
+    }
+
+    fn noisy(j: &J, seed: u64) -> String {
+        let mut out = String::new();
+        render(j, &mut Some(StdRng::seed_from_u64(seed)), &mut out);
+        out
+    }
+
+    /// Changes exactly one non-ignored value somewhere in `j`.
+    fn mutate(j: &J, rng: &mut StdRng) -> J {
+        match j {
+            J::Arr(items) if !items.is_empty() && rng.random_bool(0.7) => {
+                let mut items = items.clone();
+                let i = rng.random_range(0..items.len());
+                items[i] = mutate(&items[i], rng);
+                J::Arr(items)
+            }
+            J::Obj(members) if !members.is_empty() && rng.random_bool(0.7) => {
+                let mut members = members.clone();
+                let i = rng.random_range(0..members.len());
+                if rng.random_bool(0.8) {
+                    members[i].1 = mutate(&members[i].1, rng);
+                } else {
+                    // Rename the key to one not present.
+                    let mut name = format!("{}~", members[i].0);
+                    while members.iter().any(|(k, _)| *k == name) {
+                        name.push('~');
+                    }
+                    members[i].0 = name;
+                }
+                J::Obj(members)
+            }
+            J::Arr(items) => {
+                let mut items = items.clone();
+                items.push(J::Null);
+                J::Arr(items)
+            }
+            J::Obj(members) => {
+                let mut members = members.clone();
+                let mut name = "new".to_string();
+                while members.iter().any(|(k, _)| *k == name) {
+                    name.push('~');
+                }
+                members.push((name, J::Null));
+                J::Obj(members)
+            }
+            J::Null => J::Bool(false),
+            J::Bool(b) => J::Bool(!b),
+            J::Num(neg, m, e) if *m == 0 => J::Num(*neg, 1, *e),
+            J::Num(neg, m, e) => match rng.random_range(0..3) {
+                0 => J::Num(!neg, *m, *e),
+                1 => J::Num(*neg, m.wrapping_add(1).max(1), *e),
+                _ => J::Num(*neg, *m, e + 1),
+            },
+            J::Str(s) => J::Str(format!("{s}x")),
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn key_order_number_notation_escapes_whitespace_and_ignored_keys_never_change_the_hash(
+            j in json_strategy(), seed in any::<u64>()
+        ) {
+            let a = plain(&j);
+            let b = noisy(&j, seed);
+            prop_assert_eq!(hash(&a), hash(&b), "{} vs {}", a, b);
+        }
+
+        #[test]
+        fn any_change_to_a_non_ignored_value_changes_the_hash(
+            j in json_strategy(), seed in any::<u64>()
+        ) {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let changed = mutate(&j, &mut rng);
+            let a = plain(&j);
+            let b = noisy(&changed, seed);
+            prop_assert_ne!(hash(&a), hash(&b), "{} vs {}", a, b);
+        }
+
+        #[test]
+        fn canonical_output_is_valid_json_that_serde_json_reads(j in json_strategy(), seed in any::<u64>()) {
+            let mut out = Vec::new();
+            canonical_json(&noisy(&j, seed), &IgnoreKeys::none(), &mut out).unwrap();
+            prop_assert!(serde_json::from_slice::<serde_json::Value>(&out).is_ok(), "{}", String::from_utf8_lossy(&out));
+        }
+
+        #[test]
+        fn arbitrary_text_never_panics(text in any::<String>()) {
+            let _ = content_hash(&text, &IgnoreKeys::new(["updated_at"]));
+        }
+    }
+}

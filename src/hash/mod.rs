@@ -1,0 +1,188 @@
+//! Content hashes: the 128-bit blake3 digest every hash the bridge publishes
+//! is, and the content hash of a record — blake3 over the canonical form of
+//! its JSON (`canonical.rs`, specified in docs/state.md), so that
+//! representation noise never looks like a change. Pure functions, no I/O.
+
+mod canonical;
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use canonical::{escape_key, with_canonical};
+
+/// The first 16 bytes of a blake3 digest: the 128-bit form of every hash the
+/// bridge publishes (content hashes, event ids, replay data hashes).
+pub fn truncated(digest: &blake3::Hash) -> [u8; 16] {
+    let mut bytes = [0u8; 16];
+    bytes.copy_from_slice(&digest.as_bytes()[..16]);
+    bytes
+}
+
+/// A 128-bit content hash of a record's canonical JSON.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ContentHash(pub [u8; 16]);
+
+impl ContentHash {
+    /// The 32 lowercase hex digits of the hash.
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+
+    /// Parses 32 hex digits.
+    pub fn from_hex(text: &str) -> Result<ContentHash, HashError> {
+        let mut bytes = [0u8; 16];
+        hex::decode_to_slice(text, &mut bytes).map_err(|e| HashError::InvalidHash {
+            text: text.chars().take(40).collect(),
+            reason: e.to_string(),
+        })?;
+        Ok(ContentHash(bytes))
+    }
+}
+
+impl fmt::Display for ContentHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut buf = [0u8; 32];
+        // Encoding 16 bytes into a 32-byte buffer cannot fail.
+        if hex::encode_to_slice(self.0, &mut buf).is_err() {
+            return Err(fmt::Error);
+        }
+        // Hex digits are ASCII.
+        f.write_str(std::str::from_utf8(&buf).map_err(|_| fmt::Error)?)
+    }
+}
+
+impl fmt::Debug for ContentHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ContentHash({self})")
+    }
+}
+
+impl FromStr for ContentHash {
+    type Err = HashError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        ContentHash::from_hex(s)
+    }
+}
+
+impl Serialize for ContentHash {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for ContentHash {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        ContentHash::from_hex(&text).map_err(serde::de::Error::custom)
+    }
+}
+
+/// Why a record could not be hashed, or a hash could not be parsed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HashError {
+    /// The record is not valid JSON.
+    #[error("invalid json at byte {offset}: {reason}")]
+    InvalidJson {
+        /// Byte offset of the problem in the record text.
+        offset: usize,
+        /// What was wrong there.
+        reason: &'static str,
+    },
+    /// A content hash in text form is not 32 hex digits.
+    #[error("invalid content hash `{text}`: {reason}")]
+    InvalidHash {
+        /// The offending text (truncated).
+        text: String,
+        /// What was wrong with it.
+        reason: String,
+    },
+}
+
+/// Object keys left out of the content hash at any depth (`poll.ignore_keys`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IgnoreKeys {
+    /// Canonical escaped bytes of each key, without quotes.
+    keys: Vec<Vec<u8>>,
+}
+
+impl IgnoreKeys {
+    /// Builds the set from key names as written in the config.
+    pub fn new<I, S>(keys: I) -> IgnoreKeys
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        let mut canonical: Vec<Vec<u8>> = keys
+            .into_iter()
+            .map(|key| escape_key(key.as_ref()))
+            .collect();
+        canonical.sort();
+        canonical.dedup();
+        IgnoreKeys { keys: canonical }
+    }
+
+    /// An empty set: every key counts.
+    pub fn none() -> IgnoreKeys {
+        IgnoreKeys { keys: Vec::new() }
+    }
+
+    /// True when no key is ignored.
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// True when `canonical_key` (escaped canonically, without quotes) is ignored.
+    #[inline]
+    fn contains(&self, canonical_key: &[u8]) -> bool {
+        !self.keys.is_empty() && self.keys.iter().any(|k| k.as_slice() == canonical_key)
+    }
+}
+
+/// Computes the content hash of one record's raw JSON text.
+pub fn content_hash(raw: &str, ignore: &IgnoreKeys) -> Result<ContentHash, HashError> {
+    with_canonical(raw, ignore, |canonical| {
+        ContentHash(truncated(&blake3::hash(canonical)))
+    })
+}
+
+/// Writes the canonical form of `raw` into `out` (cleared first); exposed for
+/// tests and debugging (`content_hash` is blake3 over exactly these bytes).
+pub fn canonical_json(raw: &str, ignore: &IgnoreKeys, out: &mut Vec<u8>) -> Result<(), HashError> {
+    with_canonical(raw, ignore, |canonical| {
+        out.clear();
+        out.extend_from_slice(canonical);
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn content_hash_round_trips_through_hex_and_serde() {
+        let h = content_hash(r#"{"id":1}"#, &IgnoreKeys::none()).unwrap();
+        assert_eq!(h.to_hex().len(), 32);
+        assert_eq!(h.to_string(), h.to_hex());
+        assert_eq!(ContentHash::from_hex(&h.to_hex()).unwrap(), h);
+        assert_eq!(h.to_hex().parse::<ContentHash>().unwrap(), h);
+        let json = serde_json::to_string(&h).unwrap();
+        assert_eq!(json, format!("\"{h}\""));
+        assert_eq!(serde_json::from_str::<ContentHash>(&json).unwrap(), h);
+        let err = ContentHash::from_hex("xyz").unwrap_err().to_string();
+        assert!(err.starts_with("invalid content hash `xyz`: "), "{err}");
+        assert!(serde_json::from_str::<ContentHash>("\"00\"").is_err());
+    }
+
+    #[test]
+    fn truncated_keeps_the_first_sixteen_bytes_of_the_digest() {
+        let digest = blake3::hash(b"voucher-cdc");
+        assert_eq!(truncated(&digest)[..], digest.as_bytes()[..16]);
+        assert_eq!(
+            content_hash("[]", &IgnoreKeys::none()).unwrap(),
+            ContentHash(truncated(&blake3::hash(b"[]")))
+        );
+    }
+}
