@@ -52,6 +52,7 @@ use crate::upstream::client::UpstreamClient;
 use crate::upstream::error::UpstreamError;
 use crate::upstream::page::{ListQuery, Page, Record};
 use crate::upstream::pagination::page_limit;
+use crate::upstream::ratelimit::Lane;
 
 /// Settings of a sweep, derived from `[poll]`.
 #[derive(Debug, Clone)]
@@ -275,8 +276,16 @@ impl Sweeper {
         let label = plan.label();
         debug!(tenant = self.stream.tenant, resource = %self.stream.resource, kind = label, "sweep started");
 
+        // A periodic full sweep's pages wait in the budget's bulk lane, behind
+        // polls beyond its share; first syncs and replays are polls.
+        let lane = if plan.full && plan.mode == SweepMode::Normal {
+            Lane::Bulk
+        } else {
+            Lane::Poll
+        };
         let mut run = SweepRun {
             sweeper: self,
+            client: self.client.in_lane(lane),
             plan: &plan,
             cancel,
             report: SweepReport {
@@ -336,6 +345,8 @@ impl Sweeper {
 /// One run of a sweep: the plan it follows, its cancel, and what it did so far.
 struct SweepRun<'a> {
     sweeper: &'a Sweeper,
+    /// The sweeper's client, in the budget lane of this run.
+    client: UpstreamClient,
     plan: &'a SweepPlan,
     cancel: &'a CancellationToken,
     report: SweepReport,
@@ -359,8 +370,7 @@ impl SweepRun<'_> {
         };
         let max_pages = page_limit(known_before, sweeper.settings.max_pages_floor);
         let pages =
-            sweeper
-                .client
+            self.client
                 .list_pages_bounded(stream.tenant, stream.resource, query, max_pages);
         futures::pin_mut!(pages);
         let mut first_server_time = None;
@@ -621,8 +631,8 @@ impl SweepRun<'_> {
         let mut found = Vec::new();
         for d in doomed {
             let answer = match stream.resource {
-                Resource::Vouchers => sweeper.client.get_voucher(stream.tenant, d.id).await,
-                Resource::Categories => sweeper.client.get_category(stream.tenant, d.id).await,
+                Resource::Vouchers => self.client.get_voucher(stream.tenant, d.id).await,
+                Resource::Categories => self.client.get_category(stream.tenant, d.id).await,
             };
             match answer {
                 Ok(record) if record.id == d.id => found.push(record),

@@ -18,7 +18,7 @@ use url::Url;
 
 use super::error::UpstreamError;
 use super::page::{decode_page, decode_record, DecodedPage, ListQuery, Page, Record};
-use super::ratelimit::RateBudget;
+use super::ratelimit::{Lane, RateBudget};
 use crate::stream::{Resource, TenantId};
 use crate::telemetry::metric;
 
@@ -93,6 +93,8 @@ pub struct RedeemRequest {
 pub struct UpstreamClient {
     /// Shared state of all clones.
     inner: Arc<Inner>,
+    /// The budget lane this client's requests wait in.
+    lane: Lane,
 }
 
 /// What every clone of a client shares.
@@ -225,12 +227,21 @@ impl UpstreamClient {
                 token_id,
                 budget,
             }),
+            lane: Lane::default(),
         })
     }
 
     /// The options the client was built with.
     pub fn options(&self) -> &ClientOptions {
         &self.inner.opts
+    }
+
+    /// The same client, its requests waiting in `lane` of the budget.
+    pub fn in_lane(&self, lane: Lane) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+            lane,
+        }
     }
 
     /// The rate budget this client spends.
@@ -383,7 +394,7 @@ impl UpstreamClient {
         let mut attempt = 0u32;
         loop {
             attempt += 1;
-            self.inner.budget.acquire().await;
+            self.inner.budget.acquire_in(self.lane).await;
             let failure = match self.send_once(call).await {
                 Ok(body) => match decode(&body) {
                     Ok(value) => return Ok(value),
@@ -405,8 +416,10 @@ impl UpstreamClient {
                 Failure::RateLimited(err, wait) => {
                     metrics::counter!(metric::UPSTREAM_RATE_LIMITED, "token_id" => self.inner.token_id.clone())
                         .increment(1);
-                    // Every stream on this token waits, not just this one.
+                    // Every stream on this token waits, not just this one, and
+                    // the budget learns that the upstream grants it less.
                     self.inner.budget.pause_for(wait);
+                    self.inner.budget.rate_limited();
                     (err, "429", Duration::ZERO)
                 }
                 Failure::Retriable(err, reason) => {

@@ -1,11 +1,20 @@
 //! The request budget of one upstream token, shared by every stream that uses
 //! the token: requests are spaced evenly (no bursts) with a margin kept in
-//! reserve, callers are served in arrival order so one long listing cannot
-//! starve the others, and a 429 on any stream pauses them all until the
-//! upstream's window has passed.
+//! reserve, callers are served in arrival order within a lane so one long
+//! listing cannot starve the others, full-sweep pages (the bulk lane) take at
+//! most `poll.full_sweep_share` while polls wait, and a 429 on any stream
+//! pauses them all until the upstream's window has passed.
+//!
+//! The rate is learnt: the upstream counts per token *and IP*, so replicas
+//! behind one egress IP, or another tool on the same token, share the window
+//! without knowing. A 429 lowers the paced rate multiplicatively (at most once
+//! a window) and every quiet window raises it by a small step, as TCP's AIMD
+//! does, so several daemons on one token converge to a fair split of the real
+//! budget with few 429s.
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
@@ -14,6 +23,7 @@ use governor::middleware::NoOpMiddleware;
 use governor::nanos::Nanos;
 use governor::state::{InMemoryState, NotKeyed};
 use governor::{Quota, RateLimiter};
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::secret::Secret;
@@ -77,21 +87,117 @@ impl Clock for TokioClock {
 /// The governor limiter type behind a budget.
 type Limiter = RateLimiter<NotKeyed, InMemoryState, TokioClock, NoOpMiddleware<Nanos>>;
 
+/// Which lane a request of the budget belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Lane {
+    /// Incremental polls, first syncs, replays, single-record reads: served first.
+    #[default]
+    Poll,
+    /// Pages of periodic full sweeps: limited to the bulk share while polls wait.
+    Bulk,
+}
+
+/// Multiplicative decrease of the learnt rate after a 429 (at most once a window).
+const DECREASE: f64 = 0.7;
+/// Additive increase of the learnt rate per window without a 429, as a share
+/// of the configured rate (at least one request): small, so replicas sharing
+/// a token meet a 429 seldom once they have converged.
+const INCREASE: f64 = 0.01;
+/// How much of the lanes' grant counts survives each grant (a memory of about 20 grants).
+const SHARE_MEMORY: f64 = 0.95;
+
+/// The rate learnt from 429s (AIMD, as TCP): what the upstream really grants this budget.
+#[derive(Debug, Clone, Copy)]
+struct Learnt {
+    /// Requests per window the budget paces at now (before the reserve).
+    requests: u32,
+    /// When `requests` last changed.
+    changed_at: Instant,
+    /// When the last 429 lowered it.
+    lowered_at: Option<Instant>,
+}
+
+/// Grant counts, for the bulk share and the requests used per window.
+#[derive(Debug, Clone, Copy)]
+struct Grants {
+    /// Decayed grants to polls.
+    poll: f64,
+    /// Decayed grants to bulk pages.
+    bulk: f64,
+    /// Start of the current counting window.
+    window_start: Instant,
+    /// Grants in the current window.
+    current: u32,
+    /// Grants in the previous window.
+    previous: u32,
+}
+
+/// What a budget is doing, for status and metrics.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct BudgetState {
+    /// Requests per window configured (0 = unlimited).
+    pub configured: u32,
+    /// Requests per window learnt from the upstream's 429s (paced with the reserve).
+    pub learnt: u32,
+    /// The window, in seconds.
+    pub window_seconds: f64,
+    /// Requests granted in the last complete window.
+    pub used_last_window: u32,
+    /// Poll requests waiting for their turn.
+    pub waiting_poll: usize,
+    /// Bulk (full-sweep) requests waiting for their turn.
+    pub waiting_bulk: usize,
+    /// Share of recent grants that went to full sweeps.
+    pub bulk_share: f64,
+    /// The most full sweeps may take while polls wait.
+    pub bulk_share_limit: f64,
+}
+
+/// Counts a waiting request of one lane while it lives.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn enter(counter: &'a AtomicUsize) -> Self {
+        counter.fetch_add(1, Ordering::SeqCst);
+        Self(counter)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// One token's request budget: at most `requests` per `window`, evenly spaced
-/// with a reserve (see [`PACING_MARGIN`]), FIFO-fair.
+/// with a reserve (see [`PACING_MARGIN`]), FIFO-fair within a lane, polls
+/// before full sweeps beyond their share, and a rate lowered by 429s and
+/// probed back up (learnt, see [`RateBudget::rate_limited`]).
 pub struct RateBudget {
-    /// None when the budget is unlimited.
-    limiter: Option<Limiter>,
+    /// None when the budget is unlimited; rebuilt when the learnt rate changes.
+    limiter: StdMutex<Option<Arc<Limiter>>>,
     /// The clock the limiter reads, for turning its verdicts into waits.
     clock: TokioClock,
     /// Callers queue here; tokio's mutex hands the lock out in request order.
     queue: tokio::sync::Mutex<()>,
     /// No request may start before this instant (set after a 429).
     paused_until: StdMutex<Option<Instant>>,
-    /// Requests allowed per window (0 = unlimited).
+    /// Requests allowed per window (0 = unlimited), as configured.
     requests: u32,
     /// The window `requests` applies to.
     window: Duration,
+    /// The rate learnt from 429s.
+    learnt: StdMutex<Learnt>,
+    /// Grants so far, by lane.
+    grants: StdMutex<Grants>,
+    /// The most of the budget bulk pages may take while polls wait (0 to 1).
+    bulk_share: StdMutex<f64>,
+    /// Poll requests waiting.
+    waiting_poll: AtomicUsize,
+    /// Bulk requests waiting.
+    waiting_bulk: AtomicUsize,
+    /// Woken at every grant, so waiting bulk requests look again.
+    granted: Notify,
 }
 
 impl std::fmt::Debug for RateBudget {
@@ -101,6 +207,12 @@ impl std::fmt::Debug for RateBudget {
             .field("window", &self.window)
             .finish_non_exhaustive()
     }
+}
+
+fn lock<T>(mutex: &StdMutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl RateBudget {
@@ -113,22 +225,52 @@ impl RateBudget {
     /// every `window / (requests - reserve)`, see [`PACING_MARGIN`]); 0 means unlimited.
     pub fn per_window(requests: u32, window: Duration) -> Self {
         let clock = TokioClock::new();
-        let limiter = paced_spacing(requests, window)
-            .and_then(Quota::with_period)
-            .map(|quota| RateLimiter::new(quota, InMemoryState::default(), clock));
+        let now = Instant::now();
         Self {
-            limiter,
+            limiter: StdMutex::new(Self::limiter(requests, window, clock)),
             clock,
             queue: tokio::sync::Mutex::new(()),
             paused_until: StdMutex::new(None),
             requests,
             window,
+            learnt: StdMutex::new(Learnt {
+                requests,
+                changed_at: now,
+                lowered_at: None,
+            }),
+            grants: StdMutex::new(Grants {
+                poll: 0.0,
+                bulk: 0.0,
+                window_start: now,
+                current: 0,
+                previous: 0,
+            }),
+            bulk_share: StdMutex::new(1.0),
+            waiting_poll: AtomicUsize::new(0),
+            waiting_bulk: AtomicUsize::new(0),
+            granted: Notify::new(),
         }
     }
 
-    /// Requests allowed per window (0 = unlimited).
+    fn limiter(requests: u32, window: Duration, clock: TokioClock) -> Option<Arc<Limiter>> {
+        paced_spacing(requests, window)
+            .and_then(Quota::with_period)
+            .map(|quota| Arc::new(RateLimiter::new(quota, InMemoryState::default(), clock)))
+    }
+
+    /// Limits full-sweep pages to `share` (0 to 1) of the budget while polls wait.
+    pub fn set_bulk_share(&self, share: f64) {
+        *lock(&self.bulk_share) = share.clamp(0.0, 1.0);
+    }
+
+    /// Requests allowed per window (0 = unlimited), as configured.
     pub fn requests(&self) -> u32 {
         self.requests
+    }
+
+    /// Requests per window the budget paces at now: the configured rate, lowered by 429s.
+    pub fn learnt_requests(&self) -> u32 {
+        lock(&self.learnt).requests
     }
 
     /// The window the budget counts in.
@@ -138,21 +280,43 @@ impl RateBudget {
 
     /// The spacing between two requests (margin included), None when unlimited.
     pub fn spacing(&self) -> Option<Duration> {
-        paced_spacing(self.requests, self.window)
+        paced_spacing(self.learnt_requests(), self.window)
     }
 
-    /// Requests actually paced per window: `requests` less the reserve (0 = unlimited).
+    /// Requests actually paced per window: the learnt rate less the reserve (0 = unlimited).
     pub fn paced_per_window(&self) -> u32 {
-        match self.requests {
+        match self.learnt_requests() {
             0 => 0,
             n => n.saturating_sub(reserve(n)).max(1),
         }
     }
 
-    /// Waits for this caller's turn: first in, first served, never closer than the spacing.
+    /// Waits for this caller's turn in the poll lane (see [`RateBudget::acquire_in`]).
+    pub async fn acquire(&self) {
+        self.acquire_in(Lane::Poll).await;
+    }
+
+    /// Waits for this caller's turn: first in, first served within a lane,
+    /// never closer than the spacing. A bulk request waits while polls wait
+    /// and full sweeps already had their share of recent grants.
     ///
     /// Cancel-safe: dropping the future gives the place in the queue up.
-    pub async fn acquire(&self) {
+    pub async fn acquire_in(&self, lane: Lane) {
+        let _waiting = Waiting::enter(match lane {
+            Lane::Poll => &self.waiting_poll,
+            Lane::Bulk => &self.waiting_bulk,
+        });
+        if lane == Lane::Bulk {
+            loop {
+                let granted = self.granted.notified();
+                tokio::pin!(granted);
+                granted.as_mut().enable();
+                if self.bulk_may_go() {
+                    break;
+                }
+                granted.await;
+            }
+        }
         let _turn = self.queue.lock().await;
         loop {
             if let Some(until) = self.pause_deadline() {
@@ -161,25 +325,141 @@ impl RateBudget {
                     continue;
                 }
             }
-            let Some(limiter) = &self.limiter else {
-                return;
+            let limiter = lock(&self.limiter).clone();
+            let Some(limiter) = limiter else {
+                break;
             };
             match limiter.check() {
-                Ok(()) => return,
+                Ok(()) => break,
                 Err(not_until) => {
                     tokio::time::sleep(not_until.wait_time_from(self.clock.now())).await;
                 }
             }
+        }
+        self.granted_to(lane);
+    }
+
+    /// True when a bulk request may queue: no poll waits, or bulk is under its share.
+    fn bulk_may_go(&self) -> bool {
+        if self.waiting_poll.load(Ordering::SeqCst) == 0 {
+            return true;
+        }
+        let share = *lock(&self.bulk_share);
+        let grants = lock(&self.grants);
+        let total = grants.poll + grants.bulk;
+        total <= 0.0 || grants.bulk / total < share
+    }
+
+    /// Counts a grant and probes the learnt rate back up when it is due.
+    fn granted_to(&self, lane: Lane) {
+        let now = Instant::now();
+        {
+            let mut grants = lock(&self.grants);
+            grants.poll *= SHARE_MEMORY;
+            grants.bulk *= SHARE_MEMORY;
+            match lane {
+                Lane::Poll => grants.poll += 1.0,
+                Lane::Bulk => grants.bulk += 1.0,
+            }
+            let elapsed = now.saturating_duration_since(grants.window_start);
+            if elapsed >= self.window {
+                grants.previous = if elapsed >= self.window * 2 {
+                    0
+                } else {
+                    grants.current
+                };
+                grants.current = 0;
+                grants.window_start = now;
+            }
+            grants.current = grants.current.saturating_add(1);
+        }
+        self.probe_up(now);
+        self.granted.notify_waiters();
+    }
+
+    /// Additive increase: a window without a 429 raises the learnt rate a step, up to the configured rate.
+    fn probe_up(&self, now: Instant) {
+        if self.requests == 0 {
+            return;
+        }
+        let raised = {
+            let mut learnt = lock(&self.learnt);
+            let quiet = learnt
+                .lowered_at
+                .is_none_or(|at| now.saturating_duration_since(at) >= self.window);
+            if learnt.requests >= self.requests
+                || !quiet
+                || now.saturating_duration_since(learnt.changed_at) < self.window
+            {
+                return;
+            }
+            let step = ((f64::from(self.requests) * INCREASE).floor() as u32).max(1);
+            learnt.requests = learnt.requests.saturating_add(step).min(self.requests);
+            learnt.changed_at = now;
+            learnt.requests
+        };
+        *lock(&self.limiter) = Self::limiter(raised, self.window, self.clock);
+        tracing::debug!(
+            requests = raised,
+            "no 429 for a window: learnt budget raised"
+        );
+    }
+
+    /// A 429: the upstream grants less than the budget paces (another replica
+    /// or tool on the same token and IP). Multiplicative decrease of the
+    /// learnt rate, at most once a window; it is probed back up by
+    /// [`INCREASE`] a window while no 429 comes.
+    pub fn rate_limited(&self) {
+        if self.requests == 0 {
+            return;
+        }
+        let now = Instant::now();
+        let lowered = {
+            let mut learnt = lock(&self.learnt);
+            if learnt
+                .lowered_at
+                .is_some_and(|at| now.saturating_duration_since(at) < self.window)
+            {
+                return;
+            }
+            let lowered = ((f64::from(learnt.requests) * DECREASE).floor() as u32).max(1);
+            learnt.requests = lowered;
+            learnt.changed_at = now;
+            learnt.lowered_at = Some(now);
+            lowered
+        };
+        *lock(&self.limiter) = Self::limiter(lowered, self.window, self.clock);
+        tracing::info!(
+            requests = lowered,
+            configured = self.requests,
+            "429 from the upstream: learnt budget lowered (another client shares the token?)"
+        );
+    }
+
+    /// What the budget is doing now.
+    pub fn observable_state(&self) -> BudgetState {
+        let grants = *lock(&self.grants);
+        let total = grants.poll + grants.bulk;
+        BudgetState {
+            configured: self.requests,
+            learnt: self.learnt_requests(),
+            window_seconds: self.window.as_secs_f64(),
+            used_last_window: grants.previous,
+            waiting_poll: self.waiting_poll.load(Ordering::SeqCst),
+            waiting_bulk: self.waiting_bulk.load(Ordering::SeqCst),
+            bulk_share: if total > 0.0 {
+                grants.bulk / total
+            } else {
+                0.0
+            },
+            bulk_share_limit: *lock(&self.bulk_share),
         }
     }
 
     /// Holds every caller of this budget back for `wait` from now (after a 429); never shortens a pause.
     pub fn pause_for(&self, wait: Duration) {
         let until = Instant::now() + wait;
-        let mut paused = self
-            .paused_until
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut paused = lock(&self.paused_until);
         if paused.is_none_or(|current| current < until) {
             *paused = Some(until);
         }
@@ -187,10 +467,7 @@ impl RateBudget {
 
     /// The instant before which no request may start, if a pause is set.
     fn pause_deadline(&self) -> Option<Instant> {
-        *self
-            .paused_until
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        *lock(&self.paused_until)
     }
 }
 
@@ -233,6 +510,121 @@ impl BudgetRegistry {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Mutex;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_429_lowers_the_learnt_rate_once_a_window_and_quiet_windows_raise_it_back() {
+        let budget = RateBudget::new(120);
+        assert_eq!(budget.learnt_requests(), 120);
+        budget.rate_limited();
+        assert_eq!(budget.learnt_requests(), 84, "120 x 0.7");
+        budget.rate_limited();
+        assert_eq!(
+            budget.learnt_requests(),
+            84,
+            "at most one decrease a window"
+        );
+        let slower = budget.spacing().unwrap();
+        assert_eq!(slower, MINUTE / (84 - 5));
+        // Quiet windows: each raises the rate by one request (1% of 120, at least 1).
+        for minute in 1..=3 {
+            tokio::time::advance(MINUTE).await;
+            budget.acquire().await;
+            assert_eq!(budget.learnt_requests(), 84 + minute);
+        }
+        // Another 429 a window after the last one lowers it again.
+        budget.rate_limited();
+        assert_eq!(budget.learnt_requests(), 60, "87 x 0.7");
+        assert_eq!(budget.observable_state().learnt, 60);
+        assert_eq!(budget.observable_state().configured, 120);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_learnt_rate_never_exceeds_the_configured_one() {
+        let budget = RateBudget::new(10);
+        for _ in 0..5 {
+            tokio::time::advance(MINUTE).await;
+            budget.acquire().await;
+        }
+        assert_eq!(budget.learnt_requests(), 10);
+        for _ in 0..20 {
+            budget.rate_limited();
+            tokio::time::advance(MINUTE).await;
+        }
+        assert_eq!(
+            budget.learnt_requests(),
+            1,
+            "never below one request a window"
+        );
+    }
+
+    /// Runs `bulk` and `polls` requesters against one budget until `grants`
+    /// grants were made; returns the lanes in grant order.
+    async fn grant_order(budget: Arc<RateBudget>, polls: usize, grants: usize) -> Vec<Lane> {
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        for lane in std::iter::once(Lane::Bulk).chain(std::iter::repeat_n(Lane::Poll, polls)) {
+            let budget = budget.clone();
+            let order = order.clone();
+            tasks.push(tokio::spawn(async move {
+                loop {
+                    budget.acquire_in(lane).await;
+                    let mut order = order.lock().unwrap();
+                    if order.len() >= grants {
+                        return;
+                    }
+                    order.push(lane);
+                }
+            }));
+        }
+        for task in tasks {
+            task.await.unwrap();
+        }
+        let order = order.lock().unwrap().clone();
+        order
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn full_sweep_pages_take_their_share_while_polls_wait_and_everything_otherwise() {
+        let budget = Arc::new(RateBudget::new(120));
+        budget.set_bulk_share(0.25);
+        let order = grant_order(budget.clone(), 2, 400).await;
+        let bulk = order[100..].iter().filter(|l| **l == Lane::Bulk).count();
+        let share = bulk as f64 / 300.0;
+        assert!(
+            (0.2..=0.3).contains(&share),
+            "bulk got {share} of the contended budget"
+        );
+        // Alone, the bulk lane gets every grant.
+        let alone = grant_order(budget, 0, 50).await;
+        assert!(alone.iter().all(|l| *l == Lane::Bulk));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_poll_waits_at_most_a_few_slots_behind_a_running_full_sweep() {
+        let budget = Arc::new(RateBudget::new(120));
+        budget.set_bulk_share(0.25);
+        let spacing = budget.spacing().unwrap();
+        let bulk = {
+            let budget = budget.clone();
+            tokio::spawn(async move {
+                loop {
+                    budget.acquire_in(Lane::Bulk).await;
+                }
+            })
+        };
+        // The full sweep has the budget to itself for a while.
+        tokio::time::sleep(spacing * 30).await;
+        let asked = Instant::now();
+        budget.acquire_in(Lane::Poll).await;
+        let waited = asked.elapsed();
+        bulk.abort();
+        assert!(
+            waited <= spacing * 2,
+            "a poll waited {waited:?} ({spacing:?} per slot)"
+        );
+    }
+
     use super::*;
 
     #[tokio::test(start_paused = true)]
