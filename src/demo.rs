@@ -139,7 +139,7 @@ mod tests {
     fn the_demo_config_is_valid_and_streams_every_tenant_to_stdout() {
         let dir = tempfile::tempdir().unwrap();
         let cfg = demo_config("http://127.0.0.1:1/api/external/v1", 2, dir.path()).unwrap();
-        assert_eq!(cfg.sink.kind, crate::config::SinkKind::Stdout);
+        assert_eq!(cfg.sink.kind(), crate::config::SinkKind::Stdout);
         assert_eq!(cfg.all_streams().len(), 4);
         assert_eq!(cfg.poll.interval.as_secs(), 2);
         assert!(cfg.state.path.starts_with(dir.path()));

@@ -149,12 +149,10 @@ pub async fn spawn_daemon_with_sink(
     sink: Option<std::sync::Arc<dyn voucher_cdc::sinks::Sink>>,
 ) -> TestDaemon {
     let config = voucher_cdc::config::from_toml_str(toml).expect("test config is valid");
-    let events_path = config
-        .sink
-        .file
-        .as_ref()
-        .map(|f| f.path.clone())
-        .unwrap_or_default();
+    let events_path = match &config.sink.backend {
+        voucher_cdc::config::SinkBackendConfig::File(file) => file.path.clone(),
+        _ => Default::default(),
+    };
     let handle = voucher_cdc::daemon::Daemon::start_with_sink(
         config.clone(),
         sink,
