@@ -268,10 +268,11 @@ async fn run_daemon(path: Option<&Path>, once: bool) -> Result<(), Failure> {
     if once {
         return run_once(&cfg).await;
     }
-    let handle = Daemon::start(cfg, shutdown_signal())
+    let daemon = Daemon::build(&cfg).await.map_err(daemon_failure)?;
+    daemon
+        .run_until_stopped(shutdown_signal())
         .await
-        .map_err(daemon_failure)?;
-    handle.wait().await.map_err(daemon_failure)
+        .map_err(daemon_failure)
 }
 
 async fn run_once(cfg: &Config) -> Result<(), Failure> {

@@ -3,23 +3,29 @@
 //! stream runner per owned stream, the scheduler, the admin API and the gauge
 //! refresher; and takes them down in order on shutdown.
 //!
-//! `run` is a library call ([`Daemon::start`] returns a [`DaemonHandle`]) so
+//! A daemon is a lifecycle: [`Daemon::build`] opens and binds everything
+//! (the admin port is known from then on), [`Daemon::run_until_stopped`]
+//! runs until its shutdown future completes, and the teardown is one named
+//! step. [`Daemon::spawn`] runs it on a task behind a [`DaemonHandle`], so
 //! tests drive whole daemons in-process; `run --once` is [`run_once`].
 
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use metrics_exporter_prometheus::PrometheusHandle;
+use tokio::net::TcpListener;
 use tokio::task::{JoinError, JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn, Instrument};
 
 use crate::admin::{self, AdminState};
 use crate::config::Config;
-use crate::scheduler::{Scheduler, StepOutcome, StreamRunner, Timing};
+use crate::scheduler::{Scheduler, StepOutcome, StopReport, StreamRunner, Timing};
+use crate::secret::Secret;
 use crate::shard::ShardError;
 use crate::sinks::{Sink, SinkBuildError};
 use crate::state::{SledStore, StateError, StateStore};
@@ -231,7 +237,209 @@ impl Components {
     }
 }
 
-/// A running daemon.
+/// A daemon built and bound, not yet running.
+pub struct Daemon {
+    components: Components,
+    listener: TcpListener,
+    /// `admin.listen` as configured (port 0 stays 0), for error messages.
+    admin_listen: SocketAddr,
+    admin_addr: SocketAddr,
+    admin_token: Option<Secret>,
+    metrics: PrometheusHandle,
+    /// `poll.shutdown_timeout`: how long the streams may take to stop.
+    grace: Duration,
+    state_path: PathBuf,
+}
+
+impl Daemon {
+    /// Builds the daemon `config` asks for: store, clients, sink and stream
+    /// runners, and the admin listener bound (see [`Daemon::admin_addr`]).
+    pub async fn build(config: &Config) -> Result<Self, DaemonError> {
+        Self::assemble(config, None).await
+    }
+
+    /// Like [`Daemon::build`], with a ready-made sink instead of `[sink]` (tests).
+    pub async fn build_with_sink(
+        config: &Config,
+        sink: Arc<dyn Sink>,
+    ) -> Result<Self, DaemonError> {
+        Self::assemble(config, Some(sink)).await
+    }
+
+    async fn assemble(config: &Config, sink: Option<Arc<dyn Sink>>) -> Result<Self, DaemonError> {
+        let metrics = crate::telemetry::prometheus();
+        let components = Components::build(config, sink, None).await?;
+        let listen = config.admin.listen;
+        let admin_failed = |failure| DaemonError::Admin { listen, failure };
+        let listener = TcpListener::bind(listen)
+            .await
+            .map_err(|e| admin_failed(AdminFailure::Listen(e)))?;
+        let admin_addr = listener
+            .local_addr()
+            .map_err(|e| admin_failed(AdminFailure::LocalAddress(e)))?;
+        Ok(Self {
+            components,
+            listener,
+            admin_listen: listen,
+            admin_addr,
+            admin_token: config.admin.token.clone(),
+            metrics,
+            grace: config.poll.shutdown_timeout,
+            state_path: config.state.path.clone(),
+        })
+    }
+
+    /// The address the admin API listens on (the real port when configured with port 0).
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_addr
+    }
+
+    /// `http://ADDR` of the admin API, reachable from this machine.
+    pub fn admin_url(&self) -> String {
+        admin_url(self.admin_addr)
+    }
+
+    /// The streams this daemon sweeps.
+    pub fn streams(&self) -> &[StreamKey] {
+        &self.components.streams
+    }
+
+    /// Runs the streams, the admin API and the gauge refresher until
+    /// `shutdown` completes (or the sink ends, or the admin API fails), then
+    /// tears everything down in order.
+    pub async fn run_until_stopped(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), DaemonError> {
+        let Daemon {
+            mut components,
+            listener,
+            admin_listen,
+            admin_addr,
+            admin_token,
+            metrics,
+            grace,
+            state_path,
+        } = self;
+        let runners = std::mem::take(&mut components.runners);
+        let scheduler = Scheduler::start(runners, CancellationToken::new());
+        let admin_state = Arc::new(AdminState {
+            streams: components.streams.clone(),
+            store: components.store.clone(),
+            sink: components.sink.clone(),
+            handles: scheduler.handles(),
+            token: admin_token,
+            metrics: metrics.clone(),
+        });
+        let admin_stop = CancellationToken::new();
+        let admin_task = tokio::spawn(
+            admin::serve(listener, admin_state, admin_stop.clone())
+                .instrument(tracing::info_span!("admin")),
+        );
+        let gauges = tokio::spawn(refresh_gauges_every(
+            GAUGE_REFRESH,
+            components.store.clone(),
+            components.streams.clone(),
+            metrics,
+        ));
+        info!(admin = %admin_addr, streams = components.streams.len(),
+            sink = components.sink.name(), state = %state_path.display(), "daemon started");
+
+        let mut running = Running {
+            components,
+            scheduler,
+            admin_task,
+            admin_stop,
+            gauges,
+        };
+        let sink_ended = running.components.sink_ended.clone();
+        let result = tokio::select! {
+            _ = shutdown => {
+                info!("shutdown requested");
+                Ok(())
+            }
+            _ = sink_ended.cancelled() => {
+                info!(sink = running.components.sink.name(),
+                    "the sink's reader went away (standard output closed); stopping");
+                Ok(())
+            }
+            served = &mut running.admin_task => {
+                let failure = AdminFailure::from_served(served);
+                warn!(error = %failure, "admin api failed; shutting down");
+                Err(DaemonError::Admin { listen: admin_listen, failure })
+            }
+        };
+        let report = running.tear_down(grace).await;
+        info!(
+            finished = report.finished,
+            aborted = report.aborted,
+            "daemon stopped"
+        );
+        result
+    }
+
+    /// Runs the daemon on a task until `shutdown` completes or
+    /// [`DaemonHandle::shutdown`] is called.
+    pub fn spawn(self, shutdown: impl Future<Output = ()> + Send + 'static) -> DaemonHandle {
+        let stop = CancellationToken::new();
+        let stop_requested = stop.clone();
+        let admin_addr = self.admin_addr;
+        let streams = self.streams().to_vec();
+        let task = tokio::spawn(self.run_until_stopped(async move {
+            tokio::select! {
+                _ = shutdown => {}
+                _ = stop_requested.cancelled() => {}
+            }
+        }));
+        DaemonHandle {
+            admin_addr,
+            streams,
+            stop,
+            task,
+        }
+    }
+}
+
+/// `http://ADDR` of an admin API listening on `addr`, reachable from this machine.
+fn admin_url(addr: SocketAddr) -> String {
+    format!("http://{}", admin::connect_address(addr))
+}
+
+/// What a running daemon consists of, for its teardown.
+struct Running {
+    components: Components,
+    scheduler: Scheduler,
+    admin_task: JoinHandle<std::io::Result<()>>,
+    admin_stop: CancellationToken,
+    gauges: JoinHandle<()>,
+}
+
+impl Running {
+    /// Stops the streams (pages in flight finish within `grace`), the gauge
+    /// refresher, flushes the store and the sink, then closes the admin API.
+    async fn tear_down(mut self, grace: Duration) -> StopReport {
+        info!(grace = %crate::telemetry::human_duration(grace),
+            "stopping streams: pages in flight finish, nothing new is requested");
+        let report = self.scheduler.stop(grace).await;
+        self.gauges.abort();
+        let _ = self.gauges.await;
+        self.components.flush().await;
+        self.admin_stop.cancel();
+        if !self.admin_task.is_finished() {
+            let abort = self.admin_task.abort_handle();
+            if tokio::time::timeout(ADMIN_STOP_TIMEOUT, &mut self.admin_task)
+                .await
+                .is_err()
+            {
+                abort.abort();
+                let _ = self.admin_task.await;
+            }
+        }
+        report
+    }
+}
+
+/// A daemon running on a task (see [`Daemon::spawn`]).
 pub struct DaemonHandle {
     admin_addr: SocketAddr,
     streams: Vec<StreamKey>,
@@ -247,7 +455,7 @@ impl DaemonHandle {
 
     /// `http://ADDR` of the admin API, reachable from this machine.
     pub fn admin_url(&self) -> String {
-        format!("http://{}", admin::connect_address(self.admin_addr))
+        admin_url(self.admin_addr)
     }
 
     /// The streams this daemon sweeps.
@@ -269,123 +477,6 @@ impl DaemonHandle {
     pub async fn stop(self) -> Result<(), DaemonError> {
         self.shutdown();
         self.wait().await
-    }
-}
-
-/// Starts daemons.
-pub struct Daemon;
-
-impl Daemon {
-    /// Starts a daemon from `config`; it runs until `shutdown` completes or
-    /// [`DaemonHandle::shutdown`] is called.
-    pub async fn start(
-        config: Config,
-        shutdown: impl Future<Output = ()> + Send + 'static,
-    ) -> Result<DaemonHandle, DaemonError> {
-        Self::start_with_sink(config, None, shutdown).await
-    }
-
-    /// Like [`Daemon::start`], with a ready-made sink instead of `[sink]` (tests).
-    pub async fn start_with_sink(
-        config: Config,
-        sink: Option<Arc<dyn Sink>>,
-        shutdown: impl Future<Output = ()> + Send + 'static,
-    ) -> Result<DaemonHandle, DaemonError> {
-        let metrics = crate::telemetry::prometheus();
-        let listen = config.admin.listen;
-        let components = Components::build(&config, sink, None).await?;
-        let admin_failed = |failure| DaemonError::Admin { listen, failure };
-        let listener = tokio::net::TcpListener::bind(listen)
-            .await
-            .map_err(|e| admin_failed(AdminFailure::Listen(e)))?;
-        let admin_addr = listener
-            .local_addr()
-            .map_err(|e| admin_failed(AdminFailure::LocalAddress(e)))?;
-
-        let streams_token = CancellationToken::new();
-        let Components {
-            streams,
-            store,
-            sink,
-            runners,
-            sink_ended,
-        } = components;
-        let scheduler = Scheduler::start(runners, streams_token.clone());
-        let admin_state = Arc::new(AdminState {
-            streams: streams.clone(),
-            store: store.clone(),
-            sink: sink.clone(),
-            handles: scheduler.handles(),
-            token: config.admin.token.clone(),
-            metrics: metrics.clone(),
-        });
-        let admin_stop = CancellationToken::new();
-        let mut admin_task = tokio::spawn(
-            admin::serve(listener, admin_state, admin_stop.clone())
-                .instrument(tracing::info_span!("admin")),
-        );
-        let gauges = tokio::spawn(refresh_gauges_every(
-            GAUGE_REFRESH,
-            store.clone(),
-            streams.clone(),
-            metrics,
-        ));
-        info!(admin = %admin_addr, streams = streams.len(), sink = sink.name(),
-            state = %config.state.path.display(), "daemon started");
-
-        let stop = CancellationToken::new();
-        let stop_signal = stop.clone();
-        let grace = config.poll.shutdown_timeout;
-        let task = tokio::spawn(async move {
-            let mut result = Ok(());
-            tokio::select! {
-                _ = shutdown => info!("shutdown requested"),
-                _ = stop_signal.cancelled() => info!("shutdown requested"),
-                _ = sink_ended.cancelled() => info!(sink = sink.name(),
-                    "the sink's reader went away (standard output closed); stopping"),
-                served = &mut admin_task => {
-                    let failure = AdminFailure::from_served(served);
-                    warn!(error = %failure, "admin api failed; shutting down");
-                    result = Err(DaemonError::Admin { listen, failure });
-                }
-            }
-            info!(grace = %crate::telemetry::human_duration(grace),
-                "stopping streams: pages in flight finish, nothing new is requested");
-            let report = scheduler.stop(grace).await;
-            gauges.abort();
-            let _ = gauges.await;
-            if let Err(e) = store.flush() {
-                warn!(error = %e, "state store flush failed");
-            }
-            if let Err(e) = sink.flush().await {
-                warn!(sink = sink.name(), error = %e, "sink flush failed");
-            }
-            admin_stop.cancel();
-            if !admin_task.is_finished() {
-                let abort = admin_task.abort_handle();
-                if tokio::time::timeout(ADMIN_STOP_TIMEOUT, &mut admin_task)
-                    .await
-                    .is_err()
-                {
-                    abort.abort();
-                    let _ = admin_task.await;
-                }
-            }
-            drop(sink);
-            drop(store);
-            info!(
-                finished = report.finished,
-                aborted = report.aborted,
-                "daemon stopped"
-            );
-            result
-        });
-        Ok(DaemonHandle {
-            admin_addr,
-            streams,
-            stop,
-            task,
-        })
     }
 }
 

@@ -153,16 +153,14 @@ pub async fn spawn_daemon_with_sink(
         voucher_cdc::config::SinkBackendConfig::File(file) => file.path.clone(),
         _ => Default::default(),
     };
-    let handle = voucher_cdc::daemon::Daemon::start_with_sink(
-        config.clone(),
-        sink,
-        std::future::pending::<()>(),
-    )
-    .await
+    let daemon = match sink {
+        Some(sink) => voucher_cdc::daemon::Daemon::build_with_sink(&config, sink).await,
+        None => voucher_cdc::daemon::Daemon::build(&config).await,
+    }
     .expect("daemon starts");
-    let admin_url = handle.admin_url();
+    let admin_url = daemon.admin_url();
     TestDaemon {
-        handle: Some(handle),
+        handle: Some(daemon.spawn(std::future::pending::<()>())),
         admin_url,
         events_path,
         config,
