@@ -618,6 +618,7 @@ async fn status(path: Option<&Path>, json: bool, remote: &Remote) -> Result<(), 
             StatusReport {
                 streams,
                 sink: None,
+                budgets: Vec::new(),
             }
         }
         Access::Admin(client) => client.status().await?,
@@ -909,6 +910,7 @@ mod tests {
         let report = StatusReport {
             streams: vec![syncing],
             sink: None,
+            budgets: Vec::new(),
         };
         let text = format_status(&report, now);
         let lines: Vec<&str> = text.lines().collect();
@@ -951,6 +953,7 @@ mod tests {
                 StreamStatus::from_state(StreamKey::new(2, Resource::Vouchers), &parked, now),
             ],
             sink: None,
+            budgets: Vec::new(),
         };
         let text = format_status(&report, now);
         let lines: Vec<&str> = text.lines().collect();

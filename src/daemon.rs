@@ -23,7 +23,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn, Instrument};
 
 use crate::admin::{self, AdminState};
-use crate::config::Config;
+use crate::config::{Config, PollConfig, Strategy};
+use crate::planner::{Planner, PlannerSettings, POLL_LANES};
 use crate::scheduler::{Scheduler, StepOutcome, StopReport, StreamRunner, Timing};
 use crate::secret::Secret;
 use crate::shard::ShardError;
@@ -33,7 +34,7 @@ use crate::stream::{StreamKey, TenantId};
 use crate::sweep::{Progress, SweepSettings, Sweeper};
 use crate::upstream::client::{ClientOptions, SecretToken, UpstreamClient};
 use crate::upstream::error::UpstreamError;
-use crate::upstream::ratelimit::BudgetRegistry;
+use crate::upstream::ratelimit::{BudgetRegistry, RateBudget};
 
 /// How often the per-stream gauges are refreshed from the store.
 const GAUGE_REFRESH: Duration = Duration::from_secs(5);
@@ -164,6 +165,54 @@ pub fn owned_streams(config: &Config) -> Result<Vec<StreamKey>, DaemonError> {
     Ok(streams)
 }
 
+/// One planner per token budget under `poll.strategy = "adaptive"`.
+struct Planners {
+    poll: PollConfig,
+    /// By budget (the pointer identifies a token's one budget).
+    by_budget: HashMap<*const RateBudget, Planner>,
+}
+
+impl Planners {
+    fn new(poll: &PollConfig) -> Self {
+        Self {
+            poll: poll.clone(),
+            by_budget: HashMap::new(),
+        }
+    }
+
+    /// Every planner made, one per token.
+    fn into_planners(self) -> Vec<Planner> {
+        self.by_budget.into_values().collect()
+    }
+
+    /// The planner of `client`'s token (None under `uniform`).
+    fn for_client(&mut self, client: &UpstreamClient) -> Option<Planner> {
+        if self.poll.strategy == Strategy::Uniform {
+            return None;
+        }
+        let budget = client.budget();
+        let poll = &self.poll;
+        let planner = self
+            .by_budget
+            .entry(Arc::as_ptr(budget))
+            .or_insert_with(|| {
+                budget.set_bulk_share(poll.full_sweep_share);
+                let settings = PlannerSettings {
+                    interval: poll.interval,
+                    max_interval: poll.staleness_cap(),
+                    poll_lanes: if budget.requests() == 0 {
+                        usize::MAX
+                    } else {
+                        POLL_LANES
+                    },
+                    full_resync_interval: poll.full_resync_interval,
+                };
+                Planner::new(settings, budget.clone(), client.token_id().to_string())
+            });
+        Some(planner.clone())
+    }
+}
+
 /// Everything a daemon or `run --once` sweeps with.
 pub struct Components {
     /// The streams this process owns, in key order.
@@ -176,6 +225,8 @@ pub struct Components {
     pub runners: Vec<StreamRunner>,
     /// Cancelled when the sink can never deliver again (stdout closed): stop.
     pub sink_ended: CancellationToken,
+    /// One planner per token (`poll.strategy = "adaptive"`).
+    pub planners: Vec<Planner>,
 }
 
 impl Components {
@@ -199,17 +250,23 @@ impl Components {
         let sink_ended = sink.ended().unwrap_or_default();
         let settings = Arc::new(sweep_settings(config));
         let timing = Timing::from_poll(&config.poll);
+        let mut planners = Planners::new(&config.poll);
         let runners = streams
             .iter()
             .filter_map(|key| {
                 let client = clients.get(key)?.clone();
+                let planner = planners.for_client(&client);
                 let sweeper =
                     Sweeper::new(*key, client, store.clone(), sink.clone(), settings.clone());
                 let sweeper = match &progress {
                     Some(progress) => sweeper.with_progress(progress.clone()),
                     None => sweeper,
                 };
-                Some(StreamRunner::new(sweeper, timing))
+                let runner = StreamRunner::new(sweeper, timing);
+                Some(match planner {
+                    Some(planner) => runner.with_planner(planner),
+                    None => runner,
+                })
             })
             .collect();
         Ok(Self {
@@ -218,6 +275,7 @@ impl Components {
             sink,
             runners,
             sink_ended,
+            planners: planners.into_planners(),
         })
     }
 
@@ -325,6 +383,7 @@ impl Daemon {
             handles: scheduler.handles(),
             token: admin_token,
             metrics: metrics.clone(),
+            planners: components.planners.clone(),
         });
         let admin_stop = CancellationToken::new();
         let admin_task = tokio::spawn(

@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use url::Url;
 
 use crate::hash::IgnoreKeys;
+pub use crate::planner::Strategy;
 use crate::shard::{Shard, ShardConfig};
 use crate::sinks::config::RawSinkConfig;
 use crate::stream::{Resource, StreamKey, TenantId};
@@ -204,6 +205,10 @@ pub const DEFAULT_PARK_RECHECK_INTERVAL: Duration = Duration::from_secs(300);
 pub const DEFAULT_JITTER: f64 = 0.1;
 /// Default of `poll.shutdown_timeout`.
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default of `poll.max_interval`: the staleness cap of the adaptive planner.
+pub const DEFAULT_MAX_INTERVAL: Duration = Duration::from_secs(300);
+/// Default of `poll.full_sweep_share`.
+pub const DEFAULT_FULL_SWEEP_SHARE: f64 = 0.25;
 /// Default of `poll.max_pages_floor`: a listing of 500,000 records.
 pub const DEFAULT_MAX_PAGES_FLOOR: u64 = 10_000;
 
@@ -212,7 +217,7 @@ pub const DEFAULT_MAX_PAGES_FLOOR: u64 = 10_000;
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PollConfig {
-    /// Period of incremental sweeps per stream.
+    /// Period of incremental sweeps per stream (the floor under the planner).
     #[serde(default = "default_interval", with = "humantime_serde")]
     pub interval: Duration,
     /// Period of full sweeps (deletions, changes without an updated_at bump).
@@ -243,10 +248,26 @@ pub struct PollConfig {
     /// limit grows with the records known: twice their pages plus 100).
     #[serde(default = "default_max_pages_floor")]
     pub max_pages_floor: u64,
+    /// Staleness cap: no stream waits longer between two polls (adaptive);
+    /// a cap below `interval` is raised to it (see [`PollConfig::staleness_cap`]).
+    #[serde(default = "default_max_interval", with = "humantime_serde")]
+    pub max_interval: Duration,
+    /// How streams share their token's budget: `adaptive` (the planner) or `uniform`.
+    #[serde(default)]
+    pub strategy: Strategy,
+    /// Share of a contended budget that full-sweep pages may take (0 to 1).
+    #[serde(default = "default_full_sweep_share")]
+    pub full_sweep_share: f64,
 }
 
 fn default_interval() -> Duration {
     DEFAULT_POLL_INTERVAL
+}
+fn default_max_interval() -> Duration {
+    DEFAULT_MAX_INTERVAL
+}
+fn default_full_sweep_share() -> f64 {
+    DEFAULT_FULL_SWEEP_SHARE
 }
 fn default_full_resync_interval() -> Duration {
     DEFAULT_FULL_RESYNC_INTERVAL
@@ -280,6 +301,9 @@ impl Default for PollConfig {
     fn default() -> Self {
         Self {
             interval: default_interval(),
+            max_interval: default_max_interval(),
+            strategy: Strategy::default(),
+            full_sweep_share: default_full_sweep_share(),
             full_resync_interval: default_full_resync_interval(),
             lookback: default_lookback(),
             include_relations: default_include_relations(),
@@ -642,10 +666,24 @@ fn check_tenants(tenants: &[TenantConfig], problems: &mut Problems) {
 }
 
 impl PollConfig {
+    /// The staleness cap the planner keeps: `max_interval`, at least `interval`.
+    pub fn staleness_cap(&self) -> Duration {
+        self.max_interval.max(self.interval)
+    }
+
     /// Every `[poll]` rule: periods above zero and bounded, fractions in range.
     fn check(&self, problems: &mut Problems) {
         if self.interval.is_zero() {
             problems.bad("poll.interval", "must be greater than 0s");
+        }
+        if !(self.full_sweep_share > 0.0 && self.full_sweep_share <= 1.0) {
+            problems.bad(
+                "poll.full_sweep_share",
+                format!(
+                    "must be greater than 0 and at most 1, got {}",
+                    self.full_sweep_share
+                ),
+            );
         }
         if self.full_resync_interval < self.interval {
             problems.bad(
@@ -691,6 +729,7 @@ impl PollConfig {
             days(365),
         );
         problems.at_most("poll.lookback", self.lookback, days(30));
+        problems.at_most("poll.max_interval", self.max_interval, days(30));
         problems.at_most(
             "poll.park_recheck_interval",
             self.park_recheck_interval,
