@@ -846,4 +846,134 @@ mod tests {
             "sqrt(16) = 4 expected, got {ratio} ({polls:?})"
         );
     }
+
+    /// Streams as tasks against the async planner on tokio's paused clock:
+    /// each asks for its turn once its floor has passed, "polls" for
+    /// `poll_time`, and finds `changes(key, since_last_poll)` changes.
+    async fn simulate(
+        settings: PlannerSettings,
+        streams: u64,
+        poll_time: Duration,
+        run_for: Duration,
+        changes: impl Fn(StreamKey, Duration, Duration) -> u64 + Send + Sync + 'static,
+    ) -> BTreeMap<StreamKey, Vec<Duration>> {
+        let budget = Arc::new(RateBudget::new(0));
+        let planner = Planner::new(settings, budget, "t".into());
+        let start = Instant::now();
+        let changes = Arc::new(changes);
+        let polls = Arc::new(StdMutex::new(BTreeMap::<StreamKey, Vec<Duration>>::new()));
+        let mut tasks = Vec::new();
+        for t in 1..=streams {
+            let planner = planner.clone();
+            let polls = polls.clone();
+            let changes = changes.clone();
+            tasks.push(tokio::spawn(async move {
+                let key = key(t);
+                let mut ready_at = start;
+                let mut last = start;
+                loop {
+                    let grant = planner
+                        .turn(key, Need::Poll { full_due: false }, ready_at)
+                        .await;
+                    let started = Instant::now();
+                    if started.duration_since(start) >= run_for {
+                        let stopped = SweepFacts {
+                            started,
+                            completed: false,
+                            changed: 0,
+                            requests: 0,
+                        };
+                        planner.finished(key, grant, stopped);
+                        return;
+                    }
+                    tokio::time::sleep(poll_time).await;
+                    let found = changes(key, started.duration_since(start), started - last);
+                    polls
+                        .lock()
+                        .unwrap()
+                        .entry(key)
+                        .or_default()
+                        .push(started.duration_since(start));
+                    last = started;
+                    planner.finished(
+                        key,
+                        grant,
+                        SweepFacts {
+                            started,
+                            completed: true,
+                            changed: found,
+                            requests: 1,
+                        },
+                    );
+                    ready_at = Instant::now() + settings.interval;
+                }
+            }));
+        }
+        for task in tasks {
+            task.await.unwrap();
+        }
+        let polls = polls.lock().unwrap().clone();
+        polls
+    }
+
+    fn gaps(polls: &[Duration]) -> Vec<Duration> {
+        polls.windows(2).map(|w| w[1] - w[0]).collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn with_lanes_to_spare_every_stream_polls_every_interval_as_uniform_would() {
+        let settings = PlannerSettings {
+            interval: secs(30),
+            max_interval: secs(300),
+            poll_lanes: usize::MAX,
+            full_resync_interval: secs(3600),
+        };
+        let polls = simulate(settings, 10, Duration::from_millis(500), secs(600), |_, _, _| 0).await;
+        for (key, at) in &polls {
+            assert_eq!(at.len(), 20, "{key}: {at:?}");
+            for gap in gaps(at) {
+                assert_eq!(gap, Duration::from_millis(30_500), "{key}: interval plus the poll");
+            }
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn under_contention_the_floor_and_the_cap_hold_and_a_stream_that_turns_hot_is_followed() {
+        let settings = PlannerSettings {
+            interval: secs(5),
+            max_interval: secs(60),
+            poll_lanes: 1,
+            full_resync_interval: secs(3600),
+        };
+        // 40 streams, one lane, one second a poll: they ask for 8 polls a
+        // second and get one. Stream 7 turns hot at 600 s (2 changes/s).
+        let polls = simulate(settings, 40, secs(1), secs(1200), |key, at, since| {
+            if key == StreamKey::new(7, Resource::Vouchers) && at >= secs(600) {
+                since.as_secs() * 2
+            } else {
+                0
+            }
+        })
+        .await;
+        for (key, at) in &polls {
+            for gap in gaps(at) {
+                assert!(gap >= secs(6), "{key}: polled again after {gap:?}, under the floor");
+                assert!(
+                    gap <= secs(60) + secs(2),
+                    "{key}: waited {gap:?}, over the cap and the poll in flight"
+                );
+            }
+        }
+        let hot = &polls[&StreamKey::new(7, Resource::Vouchers)];
+        let before: Vec<_> = hot.iter().filter(|t| **t < secs(600)).copied().collect();
+        let after: Vec<_> = hot.iter().filter(|t| **t >= secs(600)).copied().collect();
+        // Quiet, it waits about the cap; three polls after turning hot it is
+        // polled at its floor (interval plus the poll).
+        assert!(gaps(&before).iter().all(|g| *g >= secs(40)), "{before:?}");
+        let settled = &gaps(&after)[3..];
+        assert!(
+            settled.iter().all(|g| *g <= secs(8)),
+            "not followed within a few polls: {after:?}"
+        );
+    }
 }
