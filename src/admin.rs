@@ -438,18 +438,8 @@ async fn readyz(State(state): State<Arc<AdminState>>) -> Response {
     (code, Json(body)).into_response()
 }
 
-/// Refreshes every stream's gauges from the store.
-pub fn refresh_gauges(store: &dyn StateStore, streams: &[StreamKey]) {
-    let now = Utc::now();
-    for key in streams {
-        if let Ok(state) = store.load_stream(*key) {
-            telemetry::record_stream_gauges(*key, &state, now);
-        }
-    }
-}
-
 async fn metrics_endpoint(State(state): State<Arc<AdminState>>) -> Response {
-    refresh_gauges(state.store.as_ref(), &state.streams);
+    telemetry::refresh_stream_gauges(state.store.as_ref(), &state.streams);
     (
         [(
             header::CONTENT_TYPE,

@@ -545,7 +545,7 @@ async fn refresh_gauges_every(
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticker.tick().await;
-        admin::refresh_gauges(store.as_ref(), &streams);
+        crate::telemetry::refresh_stream_gauges(store.as_ref(), &streams);
         metrics.run_upkeep();
     }
 }

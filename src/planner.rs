@@ -928,11 +928,22 @@ mod tests {
             poll_lanes: usize::MAX,
             full_resync_interval: secs(3600),
         };
-        let polls = simulate(settings, 10, Duration::from_millis(500), secs(600), |_, _, _| 0).await;
+        let polls = simulate(
+            settings,
+            10,
+            Duration::from_millis(500),
+            secs(600),
+            |_, _, _| 0,
+        )
+        .await;
         for (key, at) in &polls {
             assert_eq!(at.len(), 20, "{key}: {at:?}");
             for gap in gaps(at) {
-                assert_eq!(gap, Duration::from_millis(30_500), "{key}: interval plus the poll");
+                assert_eq!(
+                    gap,
+                    Duration::from_millis(30_500),
+                    "{key}: interval plus the poll"
+                );
             }
         }
     }
@@ -957,7 +968,10 @@ mod tests {
         .await;
         for (key, at) in &polls {
             for gap in gaps(at) {
-                assert!(gap >= secs(6), "{key}: polled again after {gap:?}, under the floor");
+                assert!(
+                    gap >= secs(6),
+                    "{key}: polled again after {gap:?}, under the floor"
+                );
                 assert!(
                     gap <= secs(60) + secs(2),
                     "{key}: waited {gap:?}, over the cap and the poll in flight"

@@ -4,12 +4,13 @@
 //! with a slower re-check, replay requests that wake the stream at once, and a
 //! bounded graceful stop.
 //!
-//! The loop ([`StreamRunner::run`]) is separated from its single step
+//! The loop (`StreamRunner::run`) is separated from its single step
 //! ([`StreamRunner::run_once`]) so tests and `run --once` drive the step
 //! directly; the timing decisions ([`due_kind`], [`next_delay`]) are pure.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -54,15 +55,29 @@ impl Timing {
     }
 }
 
+/// Why a step failed, with its typed cause.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    /// The sweep failed (upstream, store, sink; see [`SweepError`]).
+    #[error(transparent)]
+    Sweep(#[from] SweepError),
+    /// The stream's state could not be read before the sweep.
+    #[error(transparent)]
+    State(#[from] StateError),
+    /// The sweep panicked (a bug); nothing of the page in flight was committed.
+    #[error("sweep panicked: {0}")]
+    Panicked(String),
+}
+
 /// What one step of a stream did.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum StepOutcome {
     /// The sweep completed.
     Swept(SweepReport),
-    /// The upstream refused access (401/403/404); the stream is parked with this reason.
-    Parked(String),
-    /// The sweep failed for another reason (one line); the next sweep tries again.
-    Failed(String),
+    /// The upstream refused access (401/403/404); the stream is parked for this cause.
+    Parked(Arc<SweepError>),
+    /// The sweep failed for another reason; the next sweep tries again.
+    Failed(Arc<StepError>),
     /// The sweep stopped early because it was cancelled (shutdown or a replay request).
     Interrupted,
 }
@@ -78,7 +93,7 @@ impl StepOutcome {
         match self {
             StepOutcome::Swept(_) => None,
             StepOutcome::Parked(reason) => Some(format!("parked: {reason}")),
-            StepOutcome::Failed(error) => Some(error.clone()),
+            StepOutcome::Failed(error) => Some(error.to_string()),
             StepOutcome::Interrupted => Some("sweep interrupted by shutdown".to_string()),
         }
     }
@@ -239,7 +254,8 @@ impl StreamRunner {
             Ok(outcome) => outcome,
             Err(panic) => {
                 let key = self.key();
-                let reason = format!("sweep panicked: {}", panic_reason(panic.as_ref()));
+                let error = StepError::Panicked(panic_reason(panic.as_ref()));
+                let reason = error.to_string();
                 error!(tenant = key.tenant, resource = %key.resource, error = %reason,
                     "sweep panicked; the stream goes on at the next interval");
                 metrics::counter!(telemetry::metric::SWEEPS, "tenant" => key.tenant.to_string(),
@@ -248,7 +264,7 @@ impl StreamRunner {
                 if let Err(e) = self.sweeper.ledger().record_error(&reason, Utc::now()) {
                     warn!(tenant = key.tenant, resource = %key.resource, error = %e, "cannot save the stream's last error");
                 }
-                StepOutcome::Failed(reason)
+                StepOutcome::Failed(Arc::new(error))
             }
         };
         self.refresh_gauges();
@@ -262,7 +278,7 @@ impl StreamRunner {
             Ok(state) => state,
             Err(e) => {
                 warn!(tenant = key.tenant, resource = %key.resource, error = %e, "cannot read the stream state");
-                return StepOutcome::Failed(e.to_string());
+                return StepOutcome::Failed(Arc::new(e.into()));
             }
         };
         let was_parked = state.parked.is_some();
@@ -285,18 +301,16 @@ impl StreamRunner {
                     recheck_in = %telemetry::human_duration(self.timing.park_recheck_interval),
                     "stream parked; the other streams go on (a running daemon rechecks it after \
                      recheck_in; `run --once` does not recheck and exits 1)");
-                StepOutcome::Parked(reason)
+                StepOutcome::Parked(Arc::new(e))
             }
-            Err(e) => StepOutcome::Failed(e.to_string()),
+            Err(e) => StepOutcome::Failed(Arc::new(e.into())),
         };
         outcome
     }
 
     /// Sets the stream's gauges from its stored state.
     pub fn refresh_gauges(&self) {
-        if let Ok(state) = self.sweeper.ledger().state() {
-            telemetry::record_stream_gauges(self.key(), &state, Utc::now());
-        }
+        telemetry::refresh_stream_gauges(self.sweeper.store().as_ref(), &[self.key()]);
     }
 
     /// Schedules a replay between two sweeps (the task is the stream's only writer).
@@ -544,6 +558,13 @@ impl Scheduler {
 mod tests {
     use super::*;
 
+    fn forbidden() -> SweepError {
+        SweepError::Upstream(crate::upstream::error::UpstreamError::Forbidden {
+            path: "/tenants/1/catalog/vouchers".into(),
+            message: "no".into(),
+        })
+    }
+
     fn timing() -> Timing {
         Timing {
             interval: Duration::from_secs(30),
@@ -615,11 +636,15 @@ mod tests {
             ..timing()
         };
         assert_eq!(
-            next_delay(&StepOutcome::Parked("403".into()), &t, 0.3),
+            next_delay(&StepOutcome::Parked(Arc::new(forbidden())), &t, 0.3),
             Duration::from_secs(300)
         );
         assert_eq!(
-            next_delay(&StepOutcome::Failed("503".into()), &t, 0.3),
+            next_delay(
+                &StepOutcome::Failed(Arc::new(StepError::Panicked("503".into()))),
+                &t,
+                0.3
+            ),
             Duration::from_secs(30)
         );
         assert_eq!(
@@ -646,8 +671,8 @@ mod tests {
     fn only_a_completed_sweep_counts_as_ok() {
         assert!(StepOutcome::Swept(SweepReport::default()).is_ok());
         assert_eq!(
-            StepOutcome::Parked("upstream returned 403".into()).error(),
-            Some("parked: upstream returned 403".to_string())
+            StepOutcome::Parked(Arc::new(forbidden())).error(),
+            Some("parked: upstream returned 403 for /tenants/1/catalog/vouchers: no".to_string())
         );
         assert!(!StepOutcome::Interrupted.is_ok());
     }

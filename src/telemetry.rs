@@ -266,6 +266,20 @@ pub fn record_stream_gauges(
     });
 }
 
+/// Sets the gauges of `streams` from their state in `store` (a stream whose
+/// state cannot be read keeps its last values).
+pub fn refresh_stream_gauges(
+    store: &dyn crate::state::StateStore,
+    streams: &[crate::stream::StreamKey],
+) {
+    let now = chrono::Utc::now();
+    for key in streams {
+        if let Ok(state) = store.load_stream(*key) {
+            record_stream_gauges(*key, &state, now);
+        }
+    }
+}
+
 /// A duration as people write it, rounded to what matters: `346ms`, `2.5s`,
 /// `5m`, `1h 30m` (not `346ms 754us 417ns`).
 pub fn human_duration(d: std::time::Duration) -> String {

@@ -475,9 +475,11 @@ async fn the_scheduler_step_sweeps_full_when_due_and_parks_then_unparks_a_refuse
     let ten = StreamKey::new(10, V);
     let refused = runner_for(&sim, "only-9", ten, store.clone(), &sink, hour);
     let outcome = refused.run_once(CancellationToken::new()).await;
-    let StepOutcome::Parked(reason) = &outcome else {
+    let StepOutcome::Parked(cause) = &outcome else {
         panic!("a refused stream parks: {outcome:?}")
     };
+    assert!(cause.is_parking(), "the typed cause is kept: {cause:?}");
+    let reason = cause.to_string();
     assert!(reason.starts_with("upstream returned 40"), "{reason}");
     let state = store.load_stream(ten).unwrap();
     assert_eq!(state.parked.as_deref(), Some(reason.as_str()));

@@ -18,8 +18,8 @@
 //!
 //! The stream state is the ledger's ([`StreamLedger`]): the sweep begins and
 //! finishes through it and never saves the stream state itself. What a page
-//! publishes is decided without I/O in [`page`]; publishing until every event
-//! is acknowledged is [`publish`].
+//! publishes is decided without I/O in `page`; publishing until every event
+//! is acknowledged is `publish`.
 
 mod page;
 mod publish;

@@ -411,7 +411,7 @@ impl RateBudget {
     /// A 429: the upstream grants less than the budget paces (another replica
     /// or tool on the same token and IP). Multiplicative decrease of the
     /// learnt rate, at most once a window; it is probed back up by
-    /// [`INCREASE`] a window while no 429 comes.
+    /// 1% of the configured rate a window while no 429 comes.
     pub fn rate_limited(&self) {
         if self.requests == 0 {
             return;
