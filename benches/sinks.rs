@@ -8,6 +8,8 @@
 #[path = "../tests/common/brokers.rs"]
 #[allow(dead_code)]
 mod brokers;
+#[path = "../tests/common/mod.rs"]
+mod common;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;

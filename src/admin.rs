@@ -24,6 +24,7 @@ use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::planner::{BudgetStatus, Planner, StreamPlanStatus};
 use crate::scheduler::{ReplayError, StreamHandle};
 use crate::secret::Secret;
 use crate::sinks::Sink;
@@ -75,6 +76,13 @@ pub struct StreamStatus {
     /// it is published (a content change or a replay) or it is deleted.
     #[serde(default)]
     pub dead_letters: Vec<DeadLetterStatus>,
+    /// What the adaptive planner knows of the stream (`poll.strategy = "adaptive"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub planner: Option<StreamPlanStatus>,
+    /// How far the stream's periodic full sweep is behind `poll.full_resync_interval`
+    /// (the budget did not allow it), in seconds; None when on time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub full_sweep_overdue_seconds: Option<f64>,
 }
 
 /// One dead-lettered record as `status` shows it.
@@ -115,6 +123,8 @@ impl StreamStatus {
             parked: state.parked.clone(),
             replay: state.replay.clone(),
             dead_letters: Vec::new(),
+            planner: None,
+            full_sweep_overdue_seconds: None,
         }
     }
 
@@ -147,6 +157,9 @@ pub struct StatusReport {
     pub streams: Vec<StreamStatus>,
     /// The sink, when a running daemon answered.
     pub sink: Option<SinkStatus>,
+    /// Each token's budget and planner, when a running daemon answered.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub budgets: Vec<BudgetStatus>,
 }
 
 /// Reads the status of `streams` from a store, with the live record count of
@@ -236,6 +249,8 @@ pub struct AdminState {
     pub token: Option<Secret>,
     /// Renders `/metrics`.
     pub metrics: PrometheusHandle,
+    /// One planner per token (`poll.strategy = "adaptive"`; empty under `uniform`).
+    pub planners: Vec<Planner>,
 }
 
 /// An API error: status plus MessageError / ValidationError JSON.
@@ -450,12 +465,27 @@ async fn status(
     headers: HeaderMap,
 ) -> Result<Json<StatusReport>, ApiError> {
     authorize(&state, &headers)?;
-    let streams = status_from_store(state.store.as_ref(), &state.streams, Utc::now())
+    let now = Utc::now();
+    let mut streams = status_from_store(state.store.as_ref(), &state.streams, now)
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    for planner in &state.planners {
+        let planned = planner.streams();
+        for status in streams.iter_mut().filter(|s| planned.contains(&s.key())) {
+            let key = status.key();
+            status.planner = planner.stream_status(key);
+            let resync = planner.settings().full_resync_interval;
+            status.full_sweep_overdue_seconds = status
+                .last_full_sweep_finished
+                .and_then(|at| chrono::Duration::from_std(resync).ok().map(|r| at + r))
+                .map(|due| (now - due).num_milliseconds() as f64 / 1000.0)
+                .filter(|late| *late > 0.0);
+        }
+    }
     let sink = sink_status(state.sink.as_ref()).await;
     Ok(Json(StatusReport {
         streams,
         sink: Some(sink),
+        budgets: state.planners.iter().map(Planner::budget_status).collect(),
     }))
 }
 

@@ -268,10 +268,11 @@ async fn run_daemon(path: Option<&Path>, once: bool) -> Result<(), Failure> {
     if once {
         return run_once(&cfg).await;
     }
-    let handle = Daemon::start(cfg, shutdown_signal())
+    let daemon = Daemon::build(&cfg).await.map_err(daemon_failure)?;
+    daemon
+        .run_until_stopped(shutdown_signal())
         .await
-        .map_err(daemon_failure)?;
-    handle.wait().await.map_err(daemon_failure)
+        .map_err(daemon_failure)
 }
 
 async fn run_once(cfg: &Config) -> Result<(), Failure> {
@@ -437,14 +438,14 @@ async fn access(cfg: Option<&Config>, remote: &Remote) -> Result<Access, Failure
         return match SledStore::open(&path) {
             Ok(store) => Ok(Access::Store(store, path)),
             Err(StateError::Locked { .. }) => Ok(Access::Admin(AdminClient::new(
-                &listen_url(cfg)?,
+                &listen_url(cfg),
                 token,
                 Some(path),
             )?)),
             Err(e) => Err(Failure::runtime(e.to_string())),
         };
     }
-    let url = listen_url(cfg)?;
+    let url = listen_url(cfg);
     let client = AdminClient::new(&url, token, None)?;
     if client.answers().await {
         return Ok(Access::Admin(client));
@@ -456,14 +457,8 @@ async fn access(cfg: Option<&Config>, remote: &Remote) -> Result<Access, Failure
 }
 
 /// `http://ADDR` of the configured `admin.listen`, reachable from this machine.
-fn listen_url(cfg: &Config) -> Result<String, Failure> {
-    let listen: std::net::SocketAddr = cfg.admin.listen.parse().map_err(|_| {
-        Failure::usage(format!(
-            "admin.listen: `{}` is not an address like 127.0.0.1:9464",
-            cfg.admin.listen
-        ))
-    })?;
-    Ok(format!("http://{}", admin::connect_address(listen)))
+fn listen_url(cfg: &Config) -> String {
+    format!("http://{}", admin::connect_address(cfg.admin.listen))
 }
 
 /// A client of a running daemon's admin API.
@@ -623,6 +618,7 @@ async fn status(path: Option<&Path>, json: bool, remote: &Remote) -> Result<(), 
             StatusReport {
                 streams,
                 sink: None,
+                budgets: Vec::new(),
             }
         }
         Access::Admin(client) => client.status().await?,
@@ -914,6 +910,7 @@ mod tests {
         let report = StatusReport {
             streams: vec![syncing],
             sink: None,
+            budgets: Vec::new(),
         };
         let text = format_status(&report, now);
         let lines: Vec<&str> = text.lines().collect();
@@ -956,6 +953,7 @@ mod tests {
                 StreamStatus::from_state(StreamKey::new(2, Resource::Vouchers), &parked, now),
             ],
             sink: None,
+            budgets: Vec::new(),
         };
         let text = format_status(&report, now);
         let lines: Vec<&str> = text.lines().collect();

@@ -3,29 +3,38 @@
 //! stream runner per owned stream, the scheduler, the admin API and the gauge
 //! refresher; and takes them down in order on shutdown.
 //!
-//! `run` is a library call ([`Daemon::start`] returns a [`DaemonHandle`]) so
+//! A daemon is a lifecycle: [`Daemon::build`] opens and binds everything
+//! (the admin port is known from then on), [`Daemon::run_until_stopped`]
+//! runs until its shutdown future completes, and the teardown is one named
+//! step. [`Daemon::spawn`] runs it on a task behind a [`DaemonHandle`], so
 //! tests drive whole daemons in-process; `run --once` is [`run_once`].
 
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::task::{JoinHandle, JoinSet};
+use metrics_exporter_prometheus::PrometheusHandle;
+use tokio::net::TcpListener;
+use tokio::task::{JoinError, JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn, Instrument};
 
 use crate::admin::{self, AdminState};
-use crate::config::{Config, SinkKind};
-use crate::hash::IgnoreKeys;
-use crate::scheduler::{Scheduler, StepOutcome, StreamRunner, Timing};
-use crate::sinks::Sink;
+use crate::config::{Config, PollConfig, Strategy};
+use crate::planner::{Planner, PlannerSettings, POLL_LANES};
+use crate::scheduler::{Scheduler, StepOutcome, StopReport, StreamRunner, Timing};
+use crate::secret::Secret;
+use crate::shard::ShardError;
+use crate::sinks::{Sink, SinkBuildError};
 use crate::state::{SledStore, StateError, StateStore};
-use crate::stream::StreamKey;
+use crate::stream::{StreamKey, TenantId};
 use crate::sweep::{Progress, SweepSettings, Sweeper};
 use crate::upstream::client::{ClientOptions, SecretToken, UpstreamClient};
-use crate::upstream::ratelimit::BudgetRegistry;
+use crate::upstream::error::UpstreamError;
+use crate::upstream::ratelimit::{BudgetRegistry, RateBudget};
 
 /// How often the per-stream gauges are refreshed from the store.
 const GAUGE_REFRESH: Duration = Duration::from_secs(5);
@@ -33,74 +42,89 @@ const GAUGE_REFRESH: Duration = Duration::from_secs(5);
 /// How long the admin server may take to close its connections at shutdown.
 const ADMIN_STOP_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Why a daemon could not start or stopped abnormally; one line each.
+/// Why a daemon could not start or stopped abnormally; one line each, the
+/// typed cause kept as the error's source.
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
-    /// The configuration cannot work (exit code 2).
-    #[error("{0}")]
-    Config(String),
+    /// This replica's shard cannot be resolved (exit code 2).
+    #[error(transparent)]
+    Shard(#[from] ShardError),
+    /// A stream's tenant has no token (exit code 2).
+    #[error("upstream.token: required (or upstream.token_file)")]
+    MissingToken {
+        /// The tenant without a token.
+        tenant: TenantId,
+    },
+    /// The upstream client cannot be built from `[upstream]` (exit code 2).
+    #[error("upstream: {0}")]
+    Upstream(#[source] UpstreamError),
     /// The state store failed.
-    #[error("{0}")]
+    #[error(transparent)]
     State(#[from] StateError),
     /// The sink could not start.
-    #[error("{message}")]
-    Sink {
-        /// The configured sink kind.
-        kind: &'static str,
-        /// What went wrong.
-        message: String,
-    },
+    #[error(transparent)]
+    Sink(#[from] SinkBuildError),
     /// The daemon's own task failed (a bug: it panicked).
     #[error("daemon task failed: {0}")]
-    Task(String),
+    Task(#[from] JoinError),
     /// The admin API could not listen or failed.
-    #[error("admin api on {listen}: {message}")]
+    #[error("admin api on {listen}: {failure}")]
     Admin {
         /// The configured listen address.
-        listen: String,
+        listen: SocketAddr,
         /// What went wrong.
-        message: String,
+        #[source]
+        failure: AdminFailure,
     },
 }
 
 impl DaemonError {
     /// True for configuration problems (exit code 2 rather than 1).
     pub fn is_config(&self) -> bool {
-        matches!(self, DaemonError::Config(_))
+        matches!(
+            self,
+            DaemonError::Shard(_) | DaemonError::MissingToken { .. } | DaemonError::Upstream(_)
+        )
     }
 }
 
-/// The sweep settings `[poll]` asks for.
+/// How the admin API failed.
+#[derive(Debug, thiserror::Error)]
+pub enum AdminFailure {
+    /// Its address cannot be bound.
+    #[error("cannot listen: {0}")]
+    Listen(#[source] std::io::Error),
+    /// The bound socket has no local address.
+    #[error("{0}")]
+    LocalAddress(#[source] std::io::Error),
+    /// The server returned while the daemon ran.
+    #[error("stopped unexpectedly")]
+    StoppedUnexpectedly,
+    /// The server failed while the daemon ran.
+    #[error("{0}")]
+    Serve(#[source] std::io::Error),
+    /// The server's task panicked.
+    #[error("task failed: {0}")]
+    Task(#[source] JoinError),
+}
+
+impl AdminFailure {
+    /// Why the admin server's task ended while the daemon ran.
+    fn from_served(served: Result<std::io::Result<()>, JoinError>) -> Self {
+        match served {
+            Ok(Ok(())) => AdminFailure::StoppedUnexpectedly,
+            Ok(Err(e)) => AdminFailure::Serve(e),
+            Err(e) => AdminFailure::Task(e),
+        }
+    }
+}
+
+/// The sweep settings `[poll]` and `sink.on_record_error` ask for.
 pub fn sweep_settings(config: &Config) -> SweepSettings {
     SweepSettings {
-        lookback: config.poll.lookback,
-        include_relations: config.poll.include_relations,
-        ignore_keys: IgnoreKeys::new(&config.poll.ignore_keys),
-        max_delete_fraction: config.poll.max_delete_fraction,
-        max_pages_floor: config.poll.max_pages_floor,
-        full_retry_initial: config.poll.interval,
-        full_retry_max: config.poll.full_resync_interval,
         on_record_error: config.sink.on_record_error,
-        ..SweepSettings::default()
+        ..SweepSettings::from(&config.poll)
     }
-}
-
-/// The upstream client options `[upstream]` asks for.
-pub fn client_options(config: &Config) -> Result<ClientOptions, DaemonError> {
-    let raw = config
-        .upstream
-        .base_url
-        .as_deref()
-        .ok_or_else(|| DaemonError::Config("upstream.base_url: required".into()))?;
-    let base_url = url::Url::parse(raw)
-        .map_err(|e| DaemonError::Config(format!("upstream.base_url: not a valid URL ({e})")))?;
-    Ok(ClientOptions {
-        base_url,
-        timeout: config.upstream.timeout,
-        max_attempts: config.upstream.max_attempts,
-        retry_after_max: config.upstream.retry_after_max,
-        ..ClientOptions::default()
-    })
 }
 
 /// One upstream client per distinct token, each spending its token's shared budget.
@@ -108,14 +132,14 @@ fn clients_for(
     config: &Config,
     streams: &[StreamKey],
 ) -> Result<HashMap<StreamKey, UpstreamClient>, DaemonError> {
-    let options = client_options(config)?;
+    let options = ClientOptions::from(&config.upstream);
     let budgets = BudgetRegistry::new();
     let mut by_token: HashMap<[u8; 32], UpstreamClient> = HashMap::new();
     let mut clients = HashMap::with_capacity(streams.len());
     for key in streams {
         let secret = config
             .token_for(key.tenant)
-            .map_err(|e| DaemonError::Config(e.to_string()))?;
+            .ok_or(DaemonError::MissingToken { tenant: key.tenant })?;
         let token = SecretToken::new(secret.expose());
         let id = *blake3::hash(token.expose().as_bytes()).as_bytes();
         let client = match by_token.get(&id) {
@@ -123,7 +147,7 @@ fn clients_for(
             None => {
                 let budget = budgets.budget_for(&token, config.upstream.requests_per_minute);
                 let client = UpstreamClient::new(options.clone(), token, budget)
-                    .map_err(|e| DaemonError::Config(format!("upstream: {e}")))?;
+                    .map_err(DaemonError::Upstream)?;
                 by_token.insert(id, client.clone());
                 client
             }
@@ -133,70 +157,60 @@ fn clients_for(
     Ok(clients)
 }
 
-/// Builds the sink `[sink]` asks for.
-pub async fn build_sink(
-    config: &Config,
-    streams: &[StreamKey],
-) -> Result<Arc<dyn Sink>, DaemonError> {
-    build_sink_with_end(config, streams)
-        .await
-        .map(|(sink, _)| sink)
-}
-
-/// Like [`build_sink`], plus a token the sink cancels when it can never
-/// deliver again (stdout closed by its reader): the daemon then stops.
-async fn build_sink_with_end(
-    config: &Config,
-    streams: &[StreamKey],
-) -> Result<(Arc<dyn Sink>, Option<CancellationToken>), DaemonError> {
-    let kind = config.sink.kind;
-    let fail = |message: String| DaemonError::Sink {
-        kind: kind.as_str(),
-        message,
-    };
-    let sink: Arc<dyn Sink> = match kind {
-        SinkKind::Nats => {
-            let cfg = config.sink.nats.clone().unwrap_or_default();
-            Arc::new(
-                crate::sinks::nats::NatsSink::connect(&cfg)
-                    .await
-                    .map_err(|e| fail(e.to_string()))?,
-            )
-        }
-        SinkKind::Kafka => {
-            let cfg = config.sink.kafka.clone().ok_or_else(|| {
-                DaemonError::Config(
-                    "sink.kafka.brokers: required when sink.kind = \"kafka\"".into(),
-                )
-            })?;
-            Arc::new(
-                crate::sinks::kafka::KafkaSink::new(&cfg, streams)
-                    .await
-                    .map_err(|e| fail(e.to_string()))?,
-            )
-        }
-        SinkKind::File => {
-            let cfg = config.sink.file.clone().unwrap_or_default();
-            Arc::new(crate::sinks::file::FileSink::open(&cfg).map_err(|e| fail(e.to_string()))?)
-        }
-        SinkKind::Stdout => {
-            let sink = crate::sinks::stdout::StdoutSink::new();
-            let closed = sink.closed();
-            return Ok((Arc::new(sink), Some(closed)));
-        }
-    };
-    Ok((sink, None))
-}
-
 /// The streams this process owns (its shard's tenants), in key order.
 pub fn owned_streams(config: &Config) -> Result<Vec<StreamKey>, DaemonError> {
-    let shard = config
-        .shard
-        .resolve()
-        .map_err(|e| DaemonError::Config(e.to_string()))?;
+    let shard = config.shard.resolve()?;
     let mut streams = config.streams(&shard);
     streams.sort();
     Ok(streams)
+}
+
+/// One planner per token budget under `poll.strategy = "adaptive"`.
+struct Planners {
+    poll: PollConfig,
+    /// By budget (the pointer identifies a token's one budget).
+    by_budget: HashMap<*const RateBudget, Planner>,
+}
+
+impl Planners {
+    fn new(poll: &PollConfig) -> Self {
+        Self {
+            poll: poll.clone(),
+            by_budget: HashMap::new(),
+        }
+    }
+
+    /// Every planner made, one per token.
+    fn into_planners(self) -> Vec<Planner> {
+        self.by_budget.into_values().collect()
+    }
+
+    /// The planner of `client`'s token (None under `uniform`).
+    fn for_client(&mut self, client: &UpstreamClient) -> Option<Planner> {
+        if self.poll.strategy == Strategy::Uniform {
+            return None;
+        }
+        let budget = client.budget();
+        let poll = &self.poll;
+        let planner = self
+            .by_budget
+            .entry(Arc::as_ptr(budget))
+            .or_insert_with(|| {
+                budget.set_bulk_share(poll.full_sweep_share);
+                let settings = PlannerSettings {
+                    interval: poll.interval,
+                    max_interval: poll.staleness_cap(),
+                    poll_lanes: if budget.requests() == 0 {
+                        usize::MAX
+                    } else {
+                        POLL_LANES
+                    },
+                    full_resync_interval: poll.full_resync_interval,
+                };
+                Planner::new(settings, budget.clone(), client.token_id().to_string())
+            });
+        Some(planner.clone())
+    }
 }
 
 /// Everything a daemon or `run --once` sweeps with.
@@ -211,6 +225,8 @@ pub struct Components {
     pub runners: Vec<StreamRunner>,
     /// Cancelled when the sink can never deliver again (stdout closed): stop.
     pub sink_ended: CancellationToken,
+    /// One planner per token (`poll.strategy = "adaptive"`).
+    pub planners: Vec<Planner>,
 }
 
 impl Components {
@@ -227,24 +243,30 @@ impl Components {
         }
         let clients = clients_for(config, &streams)?;
         let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&config.state.path)?);
-        let (sink, sink_ended) = match sink {
-            Some(sink) => (sink, None),
-            None => build_sink_with_end(config, &streams).await?,
+        let sink = match sink {
+            Some(sink) => sink,
+            None => config.sink.build(&streams).await?,
         };
-        let sink_ended = sink_ended.unwrap_or_default();
+        let sink_ended = sink.ended().unwrap_or_default();
         let settings = Arc::new(sweep_settings(config));
         let timing = Timing::from_poll(&config.poll);
+        let mut planners = Planners::new(&config.poll);
         let runners = streams
             .iter()
             .filter_map(|key| {
                 let client = clients.get(key)?.clone();
+                let planner = planners.for_client(&client);
                 let sweeper =
                     Sweeper::new(*key, client, store.clone(), sink.clone(), settings.clone());
                 let sweeper = match &progress {
                     Some(progress) => sweeper.with_progress(progress.clone()),
                     None => sweeper,
                 };
-                Some(StreamRunner::new(sweeper, timing))
+                let runner = StreamRunner::new(sweeper, timing);
+                Some(match planner {
+                    Some(planner) => runner.with_planner(planner),
+                    None => runner,
+                })
             })
             .collect();
         Ok(Self {
@@ -253,6 +275,7 @@ impl Components {
             sink,
             runners,
             sink_ended,
+            planners: planners.into_planners(),
         })
     }
 
@@ -267,7 +290,210 @@ impl Components {
     }
 }
 
-/// A running daemon.
+/// A daemon built and bound, not yet running.
+pub struct Daemon {
+    components: Components,
+    listener: TcpListener,
+    /// `admin.listen` as configured (port 0 stays 0), for error messages.
+    admin_listen: SocketAddr,
+    admin_addr: SocketAddr,
+    admin_token: Option<Secret>,
+    metrics: PrometheusHandle,
+    /// `poll.shutdown_timeout`: how long the streams may take to stop.
+    grace: Duration,
+    state_path: PathBuf,
+}
+
+impl Daemon {
+    /// Builds the daemon `config` asks for: store, clients, sink and stream
+    /// runners, and the admin listener bound (see [`Daemon::admin_addr`]).
+    pub async fn build(config: &Config) -> Result<Self, DaemonError> {
+        Self::assemble(config, None).await
+    }
+
+    /// Like [`Daemon::build`], with a ready-made sink instead of `[sink]` (tests).
+    pub async fn build_with_sink(
+        config: &Config,
+        sink: Arc<dyn Sink>,
+    ) -> Result<Self, DaemonError> {
+        Self::assemble(config, Some(sink)).await
+    }
+
+    async fn assemble(config: &Config, sink: Option<Arc<dyn Sink>>) -> Result<Self, DaemonError> {
+        let metrics = crate::telemetry::prometheus();
+        let components = Components::build(config, sink, None).await?;
+        let listen = config.admin.listen;
+        let admin_failed = |failure| DaemonError::Admin { listen, failure };
+        let listener = TcpListener::bind(listen)
+            .await
+            .map_err(|e| admin_failed(AdminFailure::Listen(e)))?;
+        let admin_addr = listener
+            .local_addr()
+            .map_err(|e| admin_failed(AdminFailure::LocalAddress(e)))?;
+        Ok(Self {
+            components,
+            listener,
+            admin_listen: listen,
+            admin_addr,
+            admin_token: config.admin.token.clone(),
+            metrics,
+            grace: config.poll.shutdown_timeout,
+            state_path: config.state.path.clone(),
+        })
+    }
+
+    /// The address the admin API listens on (the real port when configured with port 0).
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_addr
+    }
+
+    /// `http://ADDR` of the admin API, reachable from this machine.
+    pub fn admin_url(&self) -> String {
+        admin_url(self.admin_addr)
+    }
+
+    /// The streams this daemon sweeps.
+    pub fn streams(&self) -> &[StreamKey] {
+        &self.components.streams
+    }
+
+    /// Runs the streams, the admin API and the gauge refresher until
+    /// `shutdown` completes (or the sink ends, or the admin API fails), then
+    /// tears everything down in order.
+    pub async fn run_until_stopped(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), DaemonError> {
+        let Daemon {
+            mut components,
+            listener,
+            admin_listen,
+            admin_addr,
+            admin_token,
+            metrics,
+            grace,
+            state_path,
+        } = self;
+        let runners = std::mem::take(&mut components.runners);
+        let scheduler = Scheduler::start(runners, CancellationToken::new());
+        let admin_state = Arc::new(AdminState {
+            streams: components.streams.clone(),
+            store: components.store.clone(),
+            sink: components.sink.clone(),
+            handles: scheduler.handles(),
+            token: admin_token,
+            metrics: metrics.clone(),
+            planners: components.planners.clone(),
+        });
+        let admin_stop = CancellationToken::new();
+        let admin_task = tokio::spawn(
+            admin::serve(listener, admin_state, admin_stop.clone())
+                .instrument(tracing::info_span!("admin")),
+        );
+        let gauges = tokio::spawn(refresh_gauges_every(
+            GAUGE_REFRESH,
+            components.store.clone(),
+            components.streams.clone(),
+            metrics,
+        ));
+        info!(admin = %admin_addr, streams = components.streams.len(),
+            sink = components.sink.name(), state = %state_path.display(), "daemon started");
+
+        let mut running = Running {
+            components,
+            scheduler,
+            admin_task,
+            admin_stop,
+            gauges,
+        };
+        let sink_ended = running.components.sink_ended.clone();
+        let result = tokio::select! {
+            _ = shutdown => {
+                info!("shutdown requested");
+                Ok(())
+            }
+            _ = sink_ended.cancelled() => {
+                info!(sink = running.components.sink.name(),
+                    "the sink's reader went away (standard output closed); stopping");
+                Ok(())
+            }
+            served = &mut running.admin_task => {
+                let failure = AdminFailure::from_served(served);
+                warn!(error = %failure, "admin api failed; shutting down");
+                Err(DaemonError::Admin { listen: admin_listen, failure })
+            }
+        };
+        let report = running.tear_down(grace).await;
+        info!(
+            finished = report.finished,
+            aborted = report.aborted,
+            "daemon stopped"
+        );
+        result
+    }
+
+    /// Runs the daemon on a task until `shutdown` completes or
+    /// [`DaemonHandle::shutdown`] is called.
+    pub fn spawn(self, shutdown: impl Future<Output = ()> + Send + 'static) -> DaemonHandle {
+        let stop = CancellationToken::new();
+        let stop_requested = stop.clone();
+        let admin_addr = self.admin_addr;
+        let streams = self.streams().to_vec();
+        let task = tokio::spawn(self.run_until_stopped(async move {
+            tokio::select! {
+                _ = shutdown => {}
+                _ = stop_requested.cancelled() => {}
+            }
+        }));
+        DaemonHandle {
+            admin_addr,
+            streams,
+            stop,
+            task,
+        }
+    }
+}
+
+/// `http://ADDR` of an admin API listening on `addr`, reachable from this machine.
+fn admin_url(addr: SocketAddr) -> String {
+    format!("http://{}", admin::connect_address(addr))
+}
+
+/// What a running daemon consists of, for its teardown.
+struct Running {
+    components: Components,
+    scheduler: Scheduler,
+    admin_task: JoinHandle<std::io::Result<()>>,
+    admin_stop: CancellationToken,
+    gauges: JoinHandle<()>,
+}
+
+impl Running {
+    /// Stops the streams (pages in flight finish within `grace`), the gauge
+    /// refresher, flushes the store and the sink, then closes the admin API.
+    async fn tear_down(mut self, grace: Duration) -> StopReport {
+        info!(grace = %crate::telemetry::human_duration(grace),
+            "stopping streams: pages in flight finish, nothing new is requested");
+        let report = self.scheduler.stop(grace).await;
+        self.gauges.abort();
+        let _ = self.gauges.await;
+        self.components.flush().await;
+        self.admin_stop.cancel();
+        if !self.admin_task.is_finished() {
+            let abort = self.admin_task.abort_handle();
+            if tokio::time::timeout(ADMIN_STOP_TIMEOUT, &mut self.admin_task)
+                .await
+                .is_err()
+            {
+                abort.abort();
+                let _ = self.admin_task.await;
+            }
+        }
+        report
+    }
+}
+
+/// A daemon running on a task (see [`Daemon::spawn`]).
 pub struct DaemonHandle {
     admin_addr: SocketAddr,
     streams: Vec<StreamKey>,
@@ -283,7 +509,7 @@ impl DaemonHandle {
 
     /// `http://ADDR` of the admin API, reachable from this machine.
     pub fn admin_url(&self) -> String {
-        format!("http://{}", admin::connect_address(self.admin_addr))
+        admin_url(self.admin_addr)
     }
 
     /// The streams this daemon sweeps.
@@ -298,10 +524,7 @@ impl DaemonHandle {
 
     /// Waits until the daemon stopped: streams done, store and sink flushed, admin closed.
     pub async fn wait(self) -> Result<(), DaemonError> {
-        match self.task.await {
-            Ok(result) => result,
-            Err(e) => Err(DaemonError::Task(e.to_string())),
-        }
+        self.task.await?
     }
 
     /// Stops the daemon and waits for it.
@@ -311,148 +534,12 @@ impl DaemonHandle {
     }
 }
 
-/// Starts daemons.
-pub struct Daemon;
-
-impl Daemon {
-    /// Starts a daemon from `config`; it runs until `shutdown` completes or
-    /// [`DaemonHandle::shutdown`] is called.
-    pub async fn start(
-        config: Config,
-        shutdown: impl Future<Output = ()> + Send + 'static,
-    ) -> Result<DaemonHandle, DaemonError> {
-        Self::start_with_sink(config, None, shutdown).await
-    }
-
-    /// Like [`Daemon::start`], with a ready-made sink instead of `[sink]` (tests).
-    pub async fn start_with_sink(
-        config: Config,
-        sink: Option<Arc<dyn Sink>>,
-        shutdown: impl Future<Output = ()> + Send + 'static,
-    ) -> Result<DaemonHandle, DaemonError> {
-        let metrics = crate::telemetry::prometheus();
-        let listen: SocketAddr = config.admin.listen.parse().map_err(|_| {
-            DaemonError::Config(format!(
-                "admin.listen: `{}` is not an address like 127.0.0.1:9464",
-                config.admin.listen
-            ))
-        })?;
-        if !listen.ip().is_loopback() && config.admin.token.is_none() {
-            return Err(DaemonError::Config(format!(
-                "admin.token: required when admin.listen ({listen}) is not a loopback address"
-            )));
-        }
-        let components = Components::build(&config, sink, None).await?;
-        let listener =
-            tokio::net::TcpListener::bind(listen)
-                .await
-                .map_err(|e| DaemonError::Admin {
-                    listen: config.admin.listen.clone(),
-                    message: format!("cannot listen: {e}"),
-                })?;
-        let admin_addr = listener.local_addr().map_err(|e| DaemonError::Admin {
-            listen: config.admin.listen.clone(),
-            message: e.to_string(),
-        })?;
-
-        let streams_token = CancellationToken::new();
-        let Components {
-            streams,
-            store,
-            sink,
-            runners,
-            sink_ended,
-        } = components;
-        let scheduler = Scheduler::start(runners, streams_token.clone());
-        let admin_state = Arc::new(AdminState {
-            streams: streams.clone(),
-            store: store.clone(),
-            sink: sink.clone(),
-            handles: scheduler.handles(),
-            token: config.admin.token.clone(),
-            metrics: metrics.clone(),
-        });
-        let admin_stop = CancellationToken::new();
-        let mut admin_task = tokio::spawn(
-            admin::serve(listener, admin_state, admin_stop.clone())
-                .instrument(tracing::info_span!("admin")),
-        );
-        let gauges = tokio::spawn(refresh_gauges_every(
-            GAUGE_REFRESH,
-            store.clone(),
-            streams.clone(),
-            metrics,
-        ));
-        info!(admin = %admin_addr, streams = streams.len(), sink = sink.name(),
-            state = %config.state.path.display(), "daemon started");
-
-        let stop = CancellationToken::new();
-        let stop_signal = stop.clone();
-        let grace = config.poll.shutdown_timeout;
-        let listen_text = config.admin.listen.clone();
-        let task = tokio::spawn(async move {
-            let mut result = Ok(());
-            tokio::select! {
-                _ = shutdown => info!("shutdown requested"),
-                _ = stop_signal.cancelled() => info!("shutdown requested"),
-                _ = sink_ended.cancelled() => info!(sink = sink.name(),
-                    "the sink's reader went away (standard output closed); stopping"),
-                served = &mut admin_task => {
-                    let message = match served {
-                        Ok(Ok(())) => "stopped unexpectedly".to_string(),
-                        Ok(Err(e)) => e.to_string(),
-                        Err(e) => format!("task failed: {e}"),
-                    };
-                    warn!(error = %message, "admin api failed; shutting down");
-                    result = Err(DaemonError::Admin { listen: listen_text, message });
-                }
-            }
-            info!(grace = %crate::telemetry::human_duration(grace),
-                "stopping streams: pages in flight finish, nothing new is requested");
-            let report = scheduler.stop(grace).await;
-            gauges.abort();
-            let _ = gauges.await;
-            if let Err(e) = store.flush() {
-                warn!(error = %e, "state store flush failed");
-            }
-            if let Err(e) = sink.flush().await {
-                warn!(sink = sink.name(), error = %e, "sink flush failed");
-            }
-            admin_stop.cancel();
-            if !admin_task.is_finished() {
-                let abort = admin_task.abort_handle();
-                if tokio::time::timeout(ADMIN_STOP_TIMEOUT, &mut admin_task)
-                    .await
-                    .is_err()
-                {
-                    abort.abort();
-                    let _ = admin_task.await;
-                }
-            }
-            drop(sink);
-            drop(store);
-            info!(
-                finished = report.finished,
-                aborted = report.aborted,
-                "daemon stopped"
-            );
-            result
-        });
-        Ok(DaemonHandle {
-            admin_addr,
-            streams,
-            stop,
-            task,
-        })
-    }
-}
-
 /// Refreshes every stream's gauges (and the recorder's upkeep) every `period`.
 async fn refresh_gauges_every(
     period: Duration,
     store: Arc<dyn StateStore>,
     streams: Vec<StreamKey>,
-    metrics: metrics_exporter_prometheus::PrometheusHandle,
+    metrics: PrometheusHandle,
 ) {
     let mut ticker = tokio::time::interval(period);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

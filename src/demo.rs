@@ -9,7 +9,7 @@ use std::path::Path;
 use anyhow::Context;
 
 use crate::config::{self, Config};
-use crate::daemon::{Daemon, DaemonHandle};
+use crate::daemon::Daemon;
 use crate::simulator::{Simulator, SimulatorOptions};
 
 /// The token the demo simulator grants and the demo bridge uses.
@@ -78,7 +78,7 @@ fn toml_string(text: &str) -> String {
 }
 
 /// The banner the demo prints on stderr.
-pub fn banner(options: &DemoOptions, simulator_url: &str, daemon: &DaemonHandle) -> String {
+pub fn banner(options: &DemoOptions, simulator_url: &str, daemon: &Daemon) -> String {
     let admin = daemon.admin_url();
     format!(
         "voucher-cdc demo\n\
@@ -118,12 +118,12 @@ pub async fn run(
         .context("creating the demo state directory")?;
     let config = demo_config(&simulator.base_url(), options.tenants, state_dir.path())
         .map_err(|e| anyhow::anyhow!("demo config: {e}"))?;
-    let daemon = Daemon::start(config, shutdown)
+    let daemon = Daemon::build(&config)
         .await
         .context("starting the demo bridge")?;
     let _ =
         std::io::stderr().write_all(banner(&options, &simulator.base_url(), &daemon).as_bytes());
-    let result = daemon.wait().await;
+    let result = daemon.run_until_stopped(shutdown).await;
     simulator.shutdown().await;
     drop(state_dir);
     result.context("demo bridge")?;
@@ -139,7 +139,7 @@ mod tests {
     fn the_demo_config_is_valid_and_streams_every_tenant_to_stdout() {
         let dir = tempfile::tempdir().unwrap();
         let cfg = demo_config("http://127.0.0.1:1/api/external/v1", 2, dir.path()).unwrap();
-        assert_eq!(cfg.sink.kind, crate::config::SinkKind::Stdout);
+        assert_eq!(cfg.sink.kind(), crate::config::SinkKind::Stdout);
         assert_eq!(cfg.all_streams().len(), 4);
         assert_eq!(cfg.poll.interval.as_secs(), 2);
         assert!(cfg.state.path.starts_with(dir.path()));

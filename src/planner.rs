@@ -38,6 +38,8 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::stream::StreamKey;
+use crate::telemetry::metric;
+use crate::upstream::ratelimit::RateBudget;
 
 /// Poll lanes of a limited budget: enough to keep the budget busy while one
 /// poll waits for the network, few enough that the planner's order decides.
@@ -81,6 +83,8 @@ pub struct PlannerSettings {
     pub max_interval: Duration,
     /// Poll lanes; `usize::MAX` for an unlimited budget.
     pub poll_lanes: usize,
+    /// `poll.full_resync_interval`, to tell when full sweeps fall behind.
+    pub full_resync_interval: Duration,
 }
 
 /// What a ready stream asks for.
@@ -366,6 +370,10 @@ impl PlannerCore {
 pub struct Planner {
     core: Arc<StdMutex<PlannerCore>>,
     changed: Arc<Notify>,
+    /// The token's budget the planner spends.
+    budget: Arc<RateBudget>,
+    /// The token's fingerprint, for metrics.
+    token_id: String,
 }
 
 /// Withdraws a stream's ask if its `turn` future is dropped before it got its turn.
@@ -385,12 +393,57 @@ impl Drop for AskGuard<'_> {
 }
 
 impl Planner {
-    /// A planner with `settings`.
-    pub fn new(settings: PlannerSettings) -> Self {
+    /// The planner of the token whose budget is `budget` (`token_id` its fingerprint).
+    pub fn new(settings: PlannerSettings, budget: Arc<RateBudget>, token_id: String) -> Self {
         Self {
             core: Arc::new(StdMutex::new(PlannerCore::new(settings))),
             changed: Arc::new(Notify::new()),
+            budget,
+            token_id,
         }
+    }
+
+    /// The token's budget.
+    pub fn budget(&self) -> &Arc<RateBudget> {
+        &self.budget
+    }
+
+    /// The token's fingerprint.
+    pub fn token_id(&self) -> &str {
+        &self.token_id
+    }
+
+    /// The settings it plans with.
+    pub fn settings(&self) -> PlannerSettings {
+        self.lock().settings()
+    }
+
+    /// Sets the stream's and the token's gauges.
+    fn record_gauges(&self, key: StreamKey) {
+        let (plan, settings) = {
+            let core = self.lock();
+            (core.stream(key).copied(), core.settings())
+        };
+        if let Some(plan) = plan {
+            let labels = [
+                ("tenant", key.tenant.to_string()),
+                ("resource", key.resource.as_str().to_string()),
+            ];
+            metrics::gauge!(metric::STREAM_CHANGE_RATE, &labels)
+                .set(plan.rate.per_second(&settings));
+            if let Some(period) = plan.period {
+                metrics::gauge!(metric::STREAM_POLL_PERIOD, &labels).set(period.as_secs_f64());
+            }
+            if let Some(last) = plan.last_poll {
+                let ago = Instant::now().saturating_duration_since(last);
+                let at = std::time::SystemTime::now()
+                    .checked_sub(ago)
+                    .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                    .map_or(0.0, |d| d.as_secs_f64());
+                metrics::gauge!(metric::STREAM_LAST_POLL, &labels).set(at);
+            }
+        }
+        record_budget_gauges(&self.budget, &self.token_id);
     }
 
     fn lock(&self) -> MutexGuard<'_, PlannerCore> {
@@ -445,7 +498,110 @@ impl Planner {
     pub fn finished(&self, key: StreamKey, grant: Grant, facts: SweepFacts) {
         self.lock().finished(key, grant, facts);
         self.changed.notify_waiters();
+        self.record_gauges(key);
     }
+}
+
+/// What the planner knows of one stream, as `status` shows it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StreamPlanStatus {
+    /// Learnt change rate, changes per minute.
+    pub change_rate_per_minute: f64,
+    /// Smoothed time between two polls, in seconds.
+    pub poll_period_seconds: Option<f64>,
+    /// Seconds since the last poll started.
+    pub seconds_since_last_poll: Option<f64>,
+    /// `waiting` (ready, waiting for a lane), `resting` (before its floor), `polling` or `full_sweep`.
+    pub turn: String,
+    /// Seconds until its floor has passed, while resting.
+    pub next_poll_in_seconds: Option<f64>,
+}
+
+/// A token's budget and planner, as `status` shows them.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct BudgetStatus {
+    /// The token's fingerprint.
+    pub token_id: String,
+    /// Requests per minute configured.
+    pub configured_per_minute: f64,
+    /// Requests per minute learnt from 429s (what the budget paces at).
+    pub learnt_per_minute: f64,
+    /// Requests granted in the last complete window.
+    pub used_last_window: u32,
+    /// Poll requests waiting for the budget.
+    pub waiting_poll: usize,
+    /// Full-sweep requests waiting for the budget.
+    pub waiting_bulk: usize,
+    /// Share of recent grants spent on full sweeps.
+    pub full_sweep_share: f64,
+    /// `poll.full_sweep_share`.
+    pub full_sweep_share_limit: f64,
+}
+
+impl Planner {
+    /// The plan of `key` as status shows it, None when the planner does not know it yet.
+    pub fn stream_status(&self, key: StreamKey) -> Option<StreamPlanStatus> {
+        let core = self.lock();
+        let settings = core.settings();
+        let plan = core.stream(key)?;
+        let now = Instant::now();
+        let (turn, next) = match (plan.running, plan.ready_at) {
+            (Some(Grant::Full), _) => ("full_sweep", None),
+            (Some(Grant::Poll), _) => ("polling", None),
+            (None, Some(at)) if at > now => ("resting", Some(at.duration_since(now))),
+            (None, Some(_)) => ("waiting", None),
+            (None, None) => ("resting", None),
+        };
+        Some(StreamPlanStatus {
+            change_rate_per_minute: plan.rate.per_second(&settings) * 60.0,
+            poll_period_seconds: plan.period.map(|p| p.as_secs_f64()),
+            seconds_since_last_poll: plan
+                .last_poll
+                .map(|at| now.saturating_duration_since(at).as_secs_f64()),
+            turn: turn.to_string(),
+            next_poll_in_seconds: next.map(|d| d.as_secs_f64()),
+        })
+    }
+
+    /// The token's budget as status shows it.
+    pub fn budget_status(&self) -> BudgetStatus {
+        let state = self.budget.observable_state();
+        let per_minute =
+            |requests: u32| f64::from(requests) * 60.0 / state.window_seconds.max(1e-9);
+        BudgetStatus {
+            token_id: self.token_id.clone(),
+            configured_per_minute: per_minute(state.configured),
+            learnt_per_minute: per_minute(state.learnt),
+            used_last_window: state.used_last_window,
+            waiting_poll: state.waiting_poll,
+            waiting_bulk: state.waiting_bulk,
+            full_sweep_share: state.bulk_share,
+            full_sweep_share_limit: state.bulk_share_limit,
+        }
+    }
+
+    /// The streams it plans, in key order.
+    pub fn streams(&self) -> Vec<StreamKey> {
+        self.lock().streams().map(|(k, _)| k).collect()
+    }
+}
+
+/// Sets a token budget's gauges (`token_id` its fingerprint).
+pub fn record_budget_gauges(budget: &RateBudget, token_id: &str) {
+    let state = budget.observable_state();
+    let per_minute = |requests: u32| f64::from(requests) * 60.0 / state.window_seconds.max(1e-9);
+    let token = token_id.to_string();
+    metrics::gauge!(metric::BUDGET_REQUESTS_PER_MINUTE, "token_id" => token.clone(), "kind" => "configured")
+        .set(per_minute(state.configured));
+    metrics::gauge!(metric::BUDGET_REQUESTS_PER_MINUTE, "token_id" => token.clone(), "kind" => "learnt")
+        .set(per_minute(state.learnt));
+    metrics::gauge!(metric::BUDGET_USED, "token_id" => token.clone())
+        .set(f64::from(state.used_last_window));
+    metrics::gauge!(metric::BUDGET_WAITING, "token_id" => token.clone(), "lane" => "poll")
+        .set(state.waiting_poll as f64);
+    metrics::gauge!(metric::BUDGET_WAITING, "token_id" => token.clone(), "lane" => "bulk")
+        .set(state.waiting_bulk as f64);
+    metrics::gauge!(metric::BUDGET_FULL_SWEEP_SHARE, "token_id" => token).set(state.bulk_share);
 }
 
 #[cfg(test)]
@@ -462,6 +618,7 @@ mod tests {
             interval: Duration::from_secs(30),
             max_interval: Duration::from_secs(300),
             poll_lanes: lanes,
+            full_resync_interval: Duration::from_secs(3600),
         }
     }
 
@@ -658,6 +815,7 @@ mod tests {
             interval: Duration::ZERO,
             max_interval: secs(3600),
             poll_lanes: 1,
+            full_resync_interval: secs(7200),
         });
         let hot = key(1);
         let cool = key(2);

@@ -55,6 +55,21 @@ pub mod metric {
     pub const DEAD_LETTERS: &str = "voucher_cdc_dead_letters_total";
     /// 1 when the sink's health check passes, by `sink`.
     pub const SINK_UP: &str = "voucher_cdc_sink_up";
+    /// The planner's learnt change rate of a stream, changes per second, by `tenant`, `resource`.
+    pub const STREAM_CHANGE_RATE: &str = "voucher_cdc_stream_change_rate";
+    /// Smoothed time between two polls of a stream, by `tenant`, `resource`.
+    pub const STREAM_POLL_PERIOD: &str = "voucher_cdc_stream_poll_period_seconds";
+    /// When a stream's last poll started (unix seconds), by `tenant`, `resource`.
+    pub const STREAM_LAST_POLL: &str = "voucher_cdc_stream_last_poll_timestamp_seconds";
+    /// Requests per minute of a token's budget, by `token_id` and `kind`
+    /// (`configured`, `learnt`: lowered by 429s, probed back up).
+    pub const BUDGET_REQUESTS_PER_MINUTE: &str = "voucher_cdc_budget_requests_per_minute";
+    /// Requests a token's budget granted in the last complete window, by `token_id`.
+    pub const BUDGET_USED: &str = "voucher_cdc_budget_used_requests";
+    /// Requests waiting for a token's budget, by `token_id` and `lane` (`poll`, `bulk`).
+    pub const BUDGET_WAITING: &str = "voucher_cdc_budget_waiting_requests";
+    /// Share of a token's recent grants that went to full sweeps, by `token_id`.
+    pub const BUDGET_FULL_SWEEP_SHARE: &str = "voucher_cdc_budget_full_sweep_share";
 }
 
 /// Log output format (`log.format`).

@@ -7,7 +7,7 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use common::{read_events, run_cli, set_key, sim_toml, spawn_catalog};
+use common::{read_events, run_cli, spawn_catalog, TestConfig};
 use voucher_cdc::stream::Resource;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -15,13 +15,9 @@ async fn run_once_syncs_everything_once_then_nothing_then_exactly_the_changes() 
     let sim = spawn_catalog(3, 1000, 40).await;
     let dir = tempfile::tempdir().unwrap();
     // A long full-resync interval: runs two and three are incremental.
-    let toml = set_key(
-        &sim_toml(&sim, dir.path(), &[1, 2, 3]),
-        "poll.full_resync_interval",
-        "1h",
-    );
-    let config = dir.path().join("voucher-cdc.toml");
-    std::fs::write(&config, toml).unwrap();
+    let config = TestConfig::for_simulator(&sim, dir.path(), &[1, 2, 3])
+        .with_full_resync_interval(std::time::Duration::from_secs(3600))
+        .write(&dir.path().join("voucher-cdc.toml"));
     let config = config.to_str().unwrap();
     let events_path = dir.path().join("events.jsonl");
 

@@ -9,7 +9,8 @@ use std::time::Duration;
 use reqwest::{Client, StatusCode};
 use serde_json::{json, Value};
 
-use common::{set_key, sim_toml, spawn_daemon, spawn_small_simulator, wait_until};
+use common::{spawn_daemon, spawn_small_simulator, wait_until, TestConfig};
+use voucher_cdc::stream::Resource;
 
 const TOKEN: &str = "admin-test-token";
 
@@ -25,8 +26,8 @@ async fn send(request: reqwest::RequestBuilder) -> (StatusCode, Value) {
 async fn v1_endpoints_require_the_admin_token_while_probes_and_metrics_stay_open() {
     let sim = spawn_small_simulator(1).await;
     let dir = tempfile::tempdir().unwrap();
-    let toml = sim_toml(&sim, dir.path(), &[1]);
-    let mut daemon = spawn_daemon(&set_key(&toml, "admin.token", TOKEN)).await;
+    let config = TestConfig::for_simulator(&sim, dir.path(), &[1]).with_admin_token(TOKEN);
+    let mut daemon = spawn_daemon(&config).await;
     let admin = daemon.admin_url.clone();
     let http = Client::new();
     wait_until("tenant 1 synced", Duration::from_secs(30), || {
@@ -84,9 +85,9 @@ async fn v1_endpoints_require_the_admin_token_while_probes_and_metrics_stay_open
 async fn replay_requests_are_validated_with_json_errors_naming_the_field() {
     let sim = spawn_small_simulator(2).await;
     let dir = tempfile::tempdir().unwrap();
-    let toml =
-        sim_toml(&sim, dir.path(), &[1]) + "\n[[tenants]]\nid = 2\nresources = [\"vouchers\"]\n";
-    let mut daemon = spawn_daemon(&toml).await;
+    let config =
+        TestConfig::for_simulator(&sim, dir.path(), &[1]).with_tenant(2, &[Resource::Vouchers]);
+    let mut daemon = spawn_daemon(&config).await;
     let admin = daemon.admin_url.clone();
     let http = Client::new();
     let replay = |tenant: &str| http.post(format!("{admin}/v1/tenants/{tenant}/replay"));

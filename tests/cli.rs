@@ -13,9 +13,10 @@ use voucher_cdc::state::{SledStore, StateStore};
 use voucher_cdc::stream::{Resource, StreamKey};
 
 use common::{
-    daemon_toml, free_port, read_events, run_cli, set_key, sim_toml, spawn_cli, spawn_daemon,
-    spawn_small_simulator, wait_until,
+    free_port, read_events, run_cli, spawn_cli, spawn_daemon, spawn_small_simulator, wait_until,
+    TestConfig,
 };
+use voucher_cdc::telemetry::LogFormat;
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -26,8 +27,8 @@ fn write_config(dir: &Path, toml: &str) -> String {
 }
 
 /// A valid config of tenant 1 against an upstream nobody serves.
-fn offline_toml(dir: &Path) -> String {
-    daemon_toml("http://127.0.0.1:9/api/external/v1", "t", dir, &[1])
+fn offline_config(dir: &Path) -> TestConfig {
+    TestConfig::new("http://127.0.0.1:9/api/external/v1", "t", dir, &[1])
 }
 
 #[test]
@@ -95,7 +96,7 @@ fn usage_and_config_errors_exit_2_with_one_line_naming_the_cause() {
     let (code, _, stderr) = run_cli(&["sweep-everything"]);
     assert_eq!(code, 2, "{stderr}");
 
-    let good = write_config(dir.path(), &offline_toml(dir.path()));
+    let good = write_config(dir.path(), &offline_config(dir.path()).toml());
     let (code, _, stderr) = run_cli(&["replay", "--tenant", "7", "--config", &good]);
     assert_eq!(code, 2);
     assert_eq!(
@@ -131,8 +132,7 @@ fn a_runtime_failure_exits_1_with_one_line_naming_the_cause() {
     let dir = tempfile::tempdir().unwrap();
     let blocker = dir.path().join("not-a-dir");
     std::fs::write(&blocker, "x").unwrap();
-    let toml = offline_toml(dir.path());
-    let toml = set_key(&toml, "state.path", blocker.display().to_string());
+    let toml = offline_config(dir.path()).with_state_path(&blocker).toml();
     let config = write_config(dir.path(), &toml);
     let (code, _, stderr) = run_cli(&["run", "--config", &config]);
     assert_eq!(code, 1, "{stderr}");
@@ -155,10 +155,11 @@ async fn run_stops_cleanly_with_exit_0_on_sigterm_and_no_secret_reaches_trace_lo
     );
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
-    let toml = daemon_toml(&sim.base_url(), upstream_token, dir.path(), &[1, 2])
-        + "\n[log]\nformat = \"json\"\nlevel = \"trace\"\n";
-    let toml = set_key(&toml, "admin.listen", format!("127.0.0.1:{port}"));
-    let toml = set_key(&toml, "admin.token", admin_token);
+    let toml = TestConfig::new(&sim.base_url(), upstream_token, dir.path(), &[1, 2])
+        .with_log(LogFormat::Json, "trace")
+        .with_admin_port(port)
+        .with_admin_token(admin_token)
+        .toml();
     let config = write_config(dir.path(), &toml);
     let mut daemon = spawn_cli(&["run", "--config", &config]);
     let events = dir.path().join("events.jsonl");
@@ -227,14 +228,11 @@ async fn status_and_replay_go_through_the_admin_api_while_a_daemon_runs_and_to_t
     let sim = spawn_small_simulator(2).await;
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
-    let toml = set_key(
-        &sim_toml(&sim, dir.path(), &[1, 2]),
-        "admin.listen",
-        format!("127.0.0.1:{port}"),
-    );
-    let toml = set_key(&toml, "admin.token", "cli-admin-token");
-    let config = write_config(dir.path(), &toml);
-    let mut daemon = spawn_daemon(&toml).await;
+    let test_config = TestConfig::for_simulator(&sim, dir.path(), &[1, 2])
+        .with_admin_port(port)
+        .with_admin_token("cli-admin-token");
+    let config = write_config(dir.path(), &test_config.toml());
+    let mut daemon = spawn_daemon(&test_config).await;
     wait_until("both tenants synced", WAIT, || {
         daemon.events().len() == 2 * (20 + 5)
     })
@@ -297,14 +295,17 @@ async fn status_and_replay_go_through_the_admin_api_while_a_daemon_runs_and_to_t
     .await;
 
     // A wrong admin token is refused with the admin API's own message.
-    let wrong = write_config(dir.path(), &set_key(&toml, "admin.token", "wrong"));
+    let wrong = write_config(
+        dir.path(),
+        &test_config.clone().with_admin_token("wrong").toml(),
+    );
     let (code, _, stderr) = run_cli(&["status", "--config", &wrong]);
     assert_eq!(code, 1);
     assert!(
         stderr.contains("answered 401 to GET /v1/status: invalid bearer token"),
         "{stderr}"
     );
-    let config = write_config(dir.path(), &toml);
+    let config = write_config(dir.path(), &test_config.toml());
 
     daemon.stop().await;
 
@@ -354,7 +355,7 @@ async fn status_and_replay_go_through_the_admin_api_while_a_daemon_runs_and_to_t
     }
 
     // The next daemon runs the replays scheduled while it was down.
-    let mut daemon = spawn_daemon(&toml).await;
+    let mut daemon = spawn_daemon(&test_config).await;
     wait_until("the offline replays ran", WAIT, || {
         daemon
             .events()
@@ -376,7 +377,7 @@ async fn run_once_sweeps_every_stream_once_and_exits_1_naming_each_failed_stream
         &voucher_cdc::simulator::Permission::ALL,
     );
     let dir = tempfile::tempdir().unwrap();
-    let toml = daemon_toml(&sim.base_url(), "not-tenant-3", dir.path(), &[1, 2, 3]);
+    let toml = TestConfig::new(&sim.base_url(), "not-tenant-3", dir.path(), &[1, 2, 3]).toml();
     let config = write_config(dir.path(), &toml);
     let events = dir.path().join("events.jsonl");
 
@@ -405,11 +406,9 @@ async fn run_once_sweeps_every_stream_once_and_exits_1_naming_each_failed_stream
         "{stderr}"
     );
 
-    let two_tenants = daemon_toml(&sim.base_url(), "not-tenant-3", dir.path(), &[1, 2]);
-    let config = write_config(
-        dir.path(),
-        &set_key(&two_tenants, "poll.full_resync_interval", "1h"),
-    );
+    let two_tenants = TestConfig::new(&sim.base_url(), "not-tenant-3", dir.path(), &[1, 2])
+        .with_full_resync_interval(Duration::from_secs(3600));
+    let config = write_config(dir.path(), &two_tenants.toml());
     let changed = sim.record_ids(2, Resource::Categories)[2];
     sim.update(2, Resource::Categories, changed);
     let (code, _, stderr) = run_cli(&["run", "--once", "--config", &config]);
@@ -478,13 +477,10 @@ async fn status_exits_3_for_a_parked_stream_and_reaches_a_daemon_by_admin_url_al
     );
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
-    let toml = set_key(
-        &daemon_toml(&sim.base_url(), "not-tenant-2", dir.path(), &[1, 2]),
-        "admin.listen",
-        format!("127.0.0.1:{port}"),
-    );
-    let toml = set_key(&toml, "admin.token", "cli-admin-token");
-    let mut daemon = spawn_daemon(&toml).await;
+    let config = TestConfig::new(&sim.base_url(), "not-tenant-2", dir.path(), &[1, 2])
+        .with_admin_port(port)
+        .with_admin_token("cli-admin-token");
+    let mut daemon = spawn_daemon(&config).await;
     wait_until("tenant 1 synced and tenant 2 parked", WAIT, || {
         daemon.events().len() == 20 + 5
             && run_cli(&[
@@ -543,11 +539,9 @@ async fn status_exits_3_for_a_parked_stream_and_reaches_a_daemon_by_admin_url_al
 #[test]
 fn status_and_replay_without_a_store_or_a_daemon_say_so_instead_of_showing_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let toml = set_key(
-        &offline_toml(dir.path()),
-        "admin.listen",
-        format!("127.0.0.1:{}", free_port()),
-    );
+    let toml = offline_config(dir.path())
+        .with_admin_port(free_port())
+        .toml();
     let config = write_config(dir.path(), &toml);
     let state = dir.path().join("state");
     for args in [

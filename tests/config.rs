@@ -3,6 +3,8 @@
 
 mod common;
 
+use std::net::SocketAddr;
+
 use voucher_cdc::config::{from_toml_str, SinkKind};
 use voucher_cdc::stream::{Resource, StreamKey};
 
@@ -47,8 +49,11 @@ fn a_minimal_config_gets_every_documented_default() {
     assert_eq!(cfg.poll.ignore_keys, vec!["updated_at".to_string()]);
     assert_eq!(cfg.poll.max_delete_fraction, 0.5);
     assert_eq!(cfg.state.path.to_str(), Some("./data/state"));
-    assert_eq!(cfg.sink.kind, SinkKind::Nats);
-    assert_eq!(cfg.admin.listen, "127.0.0.1:9464");
+    assert_eq!(cfg.sink.kind(), SinkKind::Nats);
+    assert_eq!(
+        cfg.admin.listen,
+        "127.0.0.1:9464".parse::<SocketAddr>().unwrap()
+    );
     assert_eq!(
         cfg.all_streams(),
         vec![

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use figment::error::Kind;
 use figment::providers::{Format, Toml};
 use figment::Figment;
-use voucher_cdc::config::Config;
+use voucher_cdc::config::RawConfig;
 
 /// Every table of the config, as (TOML path, a document placing a probe key in it).
 fn tables() -> Vec<(&'static str, String)> {
@@ -43,7 +43,7 @@ fn tables() -> Vec<(&'static str, String)> {
 fn accepted_keys(doc: &str) -> BTreeSet<String> {
     let err = Figment::new()
         .merge(Toml::string(doc))
-        .extract::<Config>()
+        .extract::<RawConfig>()
         .expect_err("the probe key must be rejected");
     for e in err {
         if let Kind::UnknownField(found, expected) = &e.kind {

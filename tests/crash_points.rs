@@ -26,7 +26,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use cdc::{
-    check_end_state, jetstream, read_stream, signal_of, tail, upstream_hashes, DaemonConfig,
+    check_end_state, jetstream, nats_daemon_config, read_stream, signal_of, tail, upstream_hashes,
     DaemonProcess,
 };
 use voucher_cdc::crashpoint::names;
@@ -55,14 +55,16 @@ impl World {
         let nats = brokers::spawn_nats()?;
         let sim = common::spawn_catalog(1, 80, 4).await;
         let dir = tempfile::tempdir().unwrap();
-        let config = DaemonConfig::new(
+        let config = nats_daemon_config(
             &sim,
             &nats.url(),
             dir.path(),
             vec![(TENANT, vec![VOUCHERS])],
         );
         let incremental = config.write(&dir.path().join("incremental.toml"));
-        let full = config.full_sweeps().write(&dir.path().join("full.toml"));
+        let full = config
+            .with_every_sweep_full()
+            .write(&dir.path().join("full.toml"));
         Some(World {
             sim,
             nats,

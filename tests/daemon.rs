@@ -16,9 +16,7 @@ use voucher_cdc::simulator::{Permission, Simulator};
 use voucher_cdc::sinks::testing::{FaultMode, TestSink};
 use voucher_cdc::stream::Resource;
 
-use common::{
-    daemon_toml, spawn_daemon, spawn_daemon_with_sink, spawn_small_simulator, wait_until,
-};
+use common::{spawn_daemon, spawn_daemon_with_sink, spawn_small_simulator, wait_until, TestConfig};
 
 const V: Resource = Resource::Vouchers;
 const C: Resource = Resource::Categories;
@@ -83,33 +81,33 @@ async fn start_synced(
     sim_tenants: u64,
     tenants: &[u64],
     scoped: Option<(&str, Vec<u64>)>,
-) -> (Simulator, tempfile::TempDir, String, common::TestDaemon) {
+) -> (Simulator, tempfile::TempDir, TestConfig, common::TestDaemon) {
     let sim = spawn_small_simulator(sim_tenants).await;
     let token = scoped.map(|(token, scope)| {
         sim.add_token(token, Some(scope), &Permission::ALL);
         token
     });
     let dir = tempfile::tempdir().unwrap();
-    let toml = daemon_toml(
+    let config = TestConfig::new(
         &sim.base_url(),
         token.unwrap_or(sim.token()),
         dir.path(),
         tenants,
     );
-    let daemon = spawn_daemon(&toml).await;
+    let daemon = spawn_daemon(&config).await;
     if token.is_none() {
         wait_until("the initial snapshot reached the file", WAIT, || {
             downstream(&daemon.events(), tenants) == upstream(&sim, tenants)
         })
         .await;
     }
-    (sim, dir, toml, daemon)
+    (sim, dir, config, daemon)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_flow_and_a_restart_on_the_same_state_continues_without_duplicates_or_loss() {
     let tenants = [1, 2];
-    let (sim, _dir, toml, mut daemon) = start_synced(2, &tenants, None).await;
+    let (sim, _dir, config, mut daemon) = start_synced(2, &tenants, None).await;
     let snapshots = daemon.events();
     assert_eq!(snapshots.len(), 2 * (20 + 5));
     assert!(snapshots.iter().all(|e| e["op"] == "snapshot"));
@@ -148,7 +146,7 @@ async fn events_flow_and_a_restart_on_the_same_state_continues_without_duplicate
     // Changes while the bridge is down are picked up after the restart.
     sim.update(2, C, sim.record_ids(2, C)[0]);
     sim.delete(2, V, sim.record_ids(2, V)[2]);
-    let mut daemon = spawn_daemon(&toml).await;
+    let mut daemon = spawn_daemon(&config).await;
     wait_until(
         "changes made while stopped arrived after the restart",
         WAIT,
@@ -179,7 +177,7 @@ async fn events_flow_and_a_restart_on_the_same_state_continues_without_duplicate
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_through_the_admin_api_re_emits_one_tenant_while_the_others_keep_streaming() {
     let tenants = [5, 6];
-    let (sim, _dir, _toml, mut daemon) = start_synced(6, &tenants, None).await;
+    let (sim, _dir, _config, mut daemon) = start_synced(6, &tenants, None).await;
     let initial = daemon.events().len();
 
     let response = reqwest::Client::new()
@@ -243,7 +241,7 @@ async fn a_replay_through_the_admin_api_re_emits_one_tenant_while_the_others_kee
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_refused_access_is_parked_and_visible_while_the_others_go_on_then_recovers() {
     let tenants = [3, 4];
-    let (sim, _dir, _toml, mut daemon) =
+    let (sim, _dir, _config, mut daemon) =
         start_synced(4, &tenants, Some(("tenant-3-only", vec![3]))).await;
     let admin = daemon.admin_url.clone();
 
@@ -336,14 +334,11 @@ async fn a_stream_refused_access_is_parked_and_visible_while_the_others_go_on_th
 async fn a_stop_is_bounded_when_the_sink_never_acknowledges_and_loses_nothing() {
     let sim = spawn_small_simulator(8).await;
     let dir = tempfile::tempdir().unwrap();
-    let toml = common::set_key(
-        &daemon_toml(&sim.base_url(), sim.token(), dir.path(), &[7]),
-        "poll.shutdown_timeout",
-        "1s",
-    );
+    let config = TestConfig::for_simulator(&sim, dir.path(), &[7])
+        .with_shutdown_timeout(Duration::from_secs(1));
     let stuck = TestSink::new();
     stuck.set_mode(FaultMode::NeverAck);
-    let mut daemon = spawn_daemon_with_sink(&toml, Some(Arc::new(stuck.clone()))).await;
+    let mut daemon = spawn_daemon_with_sink(&config, Some(Arc::new(stuck.clone()))).await;
     wait_until("both streams are publishing", WAIT, || {
         stuck.publish_calls() >= 2
     })
@@ -358,7 +353,7 @@ async fn a_stop_is_bounded_when_the_sink_never_acknowledges_and_loses_nothing() 
     assert!(stuck.events().is_empty());
 
     // Nothing was acknowledged, so nothing was committed: the next run snapshots everything.
-    let mut daemon = spawn_daemon(&toml).await;
+    let mut daemon = spawn_daemon(&config).await;
     wait_until("the snapshot arrived after the aborted run", WAIT, || {
         downstream(&daemon.events(), &[7]) == upstream(&sim, &[7])
     })
@@ -372,10 +367,10 @@ async fn a_stop_is_bounded_when_the_sink_never_acknowledges_and_loses_nothing() 
 async fn a_panic_in_a_sweep_fails_that_step_and_the_stream_goes_on() {
     let sim = spawn_small_simulator(9).await;
     let dir = tempfile::tempdir().unwrap();
-    let toml = daemon_toml(&sim.base_url(), sim.token(), dir.path(), &[9]);
+    let config = TestConfig::for_simulator(&sim, dir.path(), &[9]);
     let sink = TestSink::new();
     sink.set_mode(FaultMode::Panic);
-    let mut daemon = spawn_daemon_with_sink(&toml, Some(Arc::new(sink.clone()))).await;
+    let mut daemon = spawn_daemon_with_sink(&config, Some(Arc::new(sink.clone()))).await;
     wait_until("both streams hit the panic more than once", WAIT, || {
         sink.publish_calls() >= 4
     })
@@ -394,9 +389,9 @@ async fn a_panic_in_a_sweep_fails_that_step_and_the_stream_goes_on() {
 async fn a_sink_failing_its_health_check_makes_readyz_answer_503_naming_it() {
     let sim = spawn_small_simulator(8).await;
     let dir = tempfile::tempdir().unwrap();
-    let toml = daemon_toml(&sim.base_url(), sim.token(), dir.path(), &[8]);
+    let config = TestConfig::for_simulator(&sim, dir.path(), &[8]);
     let sink = TestSink::new();
-    let mut daemon = spawn_daemon_with_sink(&toml, Some(Arc::new(sink.clone()))).await;
+    let mut daemon = spawn_daemon_with_sink(&config, Some(Arc::new(sink.clone()))).await;
     wait_until("tenant 8 synced", WAIT, || sink.events().len() == 25).await;
     let (code, body) = get_json(&format!("{}/readyz", daemon.admin_url)).await;
     assert_eq!(code, 200, "{body}");

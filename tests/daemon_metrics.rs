@@ -11,7 +11,7 @@ use serde_json::Value;
 use voucher_cdc::admin::StatusReport;
 use voucher_cdc::stream::Resource;
 
-use common::{set_key, sim_toml, spawn_catalog, spawn_daemon, wait_until};
+use common::{spawn_catalog, spawn_daemon, wait_until, TestConfig};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -179,10 +179,10 @@ async fn metrics_parse_and_their_counters_match_the_events_and_the_requests() {
     let sim = spawn_catalog(2, 120, 5).await;
     let dir = tempfile::tempdir().unwrap();
     // One sweep per stream at start, then only what the test asks for.
-    let toml = sim_toml(&sim, dir.path(), &[1, 2]);
-    let toml = set_key(&toml, "poll.interval", "1h");
-    let toml = set_key(&toml, "poll.full_resync_interval", "1h");
-    let mut daemon = spawn_daemon(&toml).await;
+    let config = TestConfig::for_simulator(&sim, dir.path(), &[1, 2])
+        .with_poll_interval(Duration::from_secs(3600))
+        .with_full_resync_interval(Duration::from_secs(3600));
+    let mut daemon = spawn_daemon(&config).await;
     let admin = daemon.admin_url.clone();
     let client = reqwest::Client::new();
 

@@ -16,9 +16,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use voucher_cdc::simulator::Simulator;
+use voucher_cdc::sinks::nats::NatsSinkConfig;
 use voucher_cdc::stream::Resource;
 
-use common::{set_key, sim_toml, spawn_cli, spawn_small_simulator, CliProcess};
+use common::{spawn_cli, spawn_small_simulator, CliProcess, TestConfig};
 
 const TENANTS: [u64; 2] = [1, 2];
 /// Generous: a busy 2-core machine, and a NATS client reconnecting with backoff.
@@ -103,13 +104,14 @@ async fn the_binary_streams_to_a_real_nats_server_and_readyz_follows_it_through_
     let sim = spawn_small_simulator(2).await;
     let dir = tempfile::tempdir().unwrap();
     let admin_port = common::free_port();
-    let mut toml = sim_toml(&sim, dir.path(), &TENANTS);
-    toml = set_key(&toml, "sink.kind", "nats");
-    toml = set_key(&toml, "sink.nats.url", nats.url());
-    toml = set_key(&toml, "sink.nats.publish_timeout", "2s");
-    toml = set_key(&toml, "admin.listen", format!("127.0.0.1:{admin_port}"));
-    let config = dir.path().join("voucher-cdc.toml");
-    std::fs::write(&config, &toml).unwrap();
+    let config = TestConfig::for_simulator(&sim, dir.path(), &TENANTS)
+        .with_nats_sink(NatsSinkConfig {
+            url: nats.url(),
+            publish_timeout: Duration::from_secs(2),
+            ..NatsSinkConfig::default()
+        })
+        .with_admin_port(admin_port)
+        .write(&dir.path().join("voucher-cdc.toml"));
     let config = config.to_str().unwrap();
     let admin = format!("http://127.0.0.1:{admin_port}");
 

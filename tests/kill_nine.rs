@@ -30,8 +30,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cdc::{
-    check_end_state, jetstream, read_range, read_stream, stream_len, tail, upstream_hashes,
-    DaemonConfig, DaemonProcess, RecordKey,
+    check_end_state, jetstream, nats_daemon_config, read_range, read_stream, stream_len, tail,
+    upstream_hashes, DaemonProcess, RecordKey,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -135,14 +135,13 @@ async fn kill_nine_at_random_moments_loses_no_change() {
         .iter()
         .map(|t| (*t, vec![Resource::Vouchers, Resource::Categories]))
         .collect();
-    let config = DaemonConfig {
-        interval: "100ms",
-        full_resync_interval: "1s",
-        ..DaemonConfig::new(&sim, &nats.url(), dir.path(), tenants)
-    };
+    let config = nats_daemon_config(&sim, &nats.url(), dir.path(), tenants)
+        .with_poll_interval(Duration::from_millis(100))
+        .with_full_resync_interval(Duration::from_secs(1));
     let running = config.write(&dir.path().join("run.toml"));
     let converge = config
-        .full_sweeps()
+        .clone()
+        .with_every_sweep_full()
         .write(&dir.path().join("converge.toml"));
     let js = jetstream(&nats.url()).await;
     let started = Instant::now();

@@ -76,7 +76,7 @@ fn the_compose_config_loads_for_the_nats_bridge_with_its_environment() {
         &read("deploy/compose/voucher-cdc.toml"),
         &[&token_file_override(), COMPOSE_ADMIN_ENV],
     );
-    assert_eq!(config.sink.kind, SinkKind::Nats);
+    assert_eq!(config.sink.kind(), SinkKind::Nats);
     assert_eq!(config.tenants.len(), 3);
     assert_eq!(
         config.state.path,
@@ -96,7 +96,7 @@ fn the_compose_config_loads_for_the_kafka_bridge_with_its_environment() {
             "[sink]\nkind = \"kafka\"\n",
         ],
     );
-    assert_eq!(config.sink.kind, SinkKind::Kafka);
+    assert_eq!(config.sink.kind(), SinkKind::Kafka);
 }
 
 #[test]

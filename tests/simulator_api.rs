@@ -1236,11 +1236,7 @@ async fn run_serves_until_its_shutdown_future_completes() {
         #[command(flatten)]
         args: voucher_cdc::simulator::SimulateArgs,
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = common::free_port();
     let cli = Cli::try_parse_from([
         "simulate",
         "--listen",

@@ -6,6 +6,7 @@
 #[path = "common/brokers.rs"]
 #[allow(dead_code)]
 mod brokers;
+mod common;
 
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -9,6 +9,7 @@
 #[path = "common/brokers.rs"]
 #[allow(dead_code)]
 mod brokers;
+mod common;
 
 use std::time::Duration;
 

@@ -6,6 +6,7 @@
 #[path = "common/brokers.rs"]
 #[allow(dead_code)]
 mod brokers;
+mod common;
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -222,7 +223,7 @@ async fn conflicting_streams_are_reported_with_the_cause() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn starting_without_a_reachable_server_fails_clearly_after_connect_timeout() {
     let config = NatsSinkConfig {
-        url: format!("nats://127.0.0.1:{}", brokers::free_port()),
+        url: format!("nats://127.0.0.1:{}", common::free_port()),
         connect_timeout: Duration::from_secs(1),
         ..NatsSinkConfig::default()
     };

@@ -491,9 +491,7 @@ async fn dropped_connections_and_timeouts_are_retried_then_surfaced() {
 
 #[tokio::test]
 async fn an_unreachable_upstream_is_a_transport_error_after_the_attempts() {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    drop(listener);
+    let port = common::free_port();
     let opts = ClientOptions {
         base_url: format!("http://127.0.0.1:{port}/api/external/v1")
             .parse()

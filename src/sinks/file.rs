@@ -30,6 +30,13 @@ pub fn default_file_path() -> PathBuf {
     PathBuf::from("./data/events.jsonl")
 }
 
+impl FileSinkConfig {
+    /// Builds the sink: opens the file for appending (see [`FileSink::open`]).
+    pub fn build(&self) -> Result<FileSink, SinkError> {
+        FileSink::open(self)
+    }
+}
+
 impl Default for FileSinkConfig {
     fn default() -> Self {
         FileSinkConfig {

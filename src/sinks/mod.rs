@@ -1,21 +1,24 @@
-//! Where events go: the `Sink` trait every backend implements, and the
+//! Where events go: the `Sink` trait every backend implements, `[sink]` as
+//! one choice of backend that builds its own sink ([`config`]), and the
 //! classification of publish failures into retriable, fatal (sink-wide) and
 //! rejected (this one event can never be accepted).
 //!
 //! A sink acknowledges each event on its own; the sweep commits a record's
 //! content hash only after its event was acknowledged (DESIGN.md, invariant).
 
+pub mod config;
+pub mod file;
 pub mod kafka;
 pub mod metrics;
 pub mod nats;
-
-use async_trait::async_trait;
-
-use crate::event::Event;
-
-pub mod file;
 pub mod stdout;
 pub mod testing;
+
+use async_trait::async_trait;
+use tokio_util::sync::CancellationToken;
+
+pub use self::config::{SinkBackendConfig, SinkBuildError, SinkConfig, SinkKind};
+use crate::event::Event;
 
 /// Why an event (or the sink as a whole) failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -82,5 +85,11 @@ pub trait Sink: Send + Sync {
     /// Flushes buffered data; called at the end of a sweep and on shutdown.
     async fn flush(&self) -> Result<(), SinkError> {
         Ok(())
+    }
+
+    /// A token the sink cancels once it can never deliver again (stdout's
+    /// reader went away); the daemon then stops. `None`: the sink never ends.
+    fn ended(&self) -> Option<CancellationToken> {
+        None
     }
 }

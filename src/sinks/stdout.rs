@@ -2,7 +2,7 @@
 //! `demo` and for piping into `jq` or another tool. Logs go to stderr.
 //!
 //! A closed standard output (`voucher-cdc demo | head`) cannot be retried:
-//! the sink reports it through [`StdoutSink::closed`], and the daemon then
+//! the sink reports it through [`Sink::ended`], and the daemon then
 //! stops like any Unix tool whose reader went away, after flushing its state.
 
 use std::io::{self, Write};
@@ -99,6 +99,10 @@ impl Sink for StdoutSink {
             return Ok(());
         }
         self.write(Vec::new()).await
+    }
+
+    fn ended(&self) -> Option<CancellationToken> {
+        Some(self.closed())
     }
 }
 

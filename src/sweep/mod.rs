@@ -81,19 +81,26 @@ pub struct SweepSettings {
     pub on_record_error: OnRecordError,
 }
 
+/// The `[poll]` defaults (one home: `crate::config`), and the sweep's own.
 impl Default for SweepSettings {
     fn default() -> Self {
+        use crate::config::{
+            DEFAULT_FULL_RESYNC_INTERVAL, DEFAULT_IGNORE_KEYS, DEFAULT_INCLUDE_RELATIONS,
+            DEFAULT_LOOKBACK, DEFAULT_MAX_DELETE_FRACTION, DEFAULT_MAX_PAGES_FLOOR,
+            DEFAULT_POLL_INTERVAL,
+        };
         Self {
-            lookback: Duration::from_secs(60),
-            include_relations: true,
-            ignore_keys: IgnoreKeys::new(["updated_at"]),
-            max_delete_fraction: 0.5,
+            lookback: DEFAULT_LOOKBACK,
+            include_relations: DEFAULT_INCLUDE_RELATIONS,
+            ignore_keys: IgnoreKeys::new(DEFAULT_IGNORE_KEYS),
+            max_delete_fraction: DEFAULT_MAX_DELETE_FRACTION,
             sink_backoff_initial: Duration::from_millis(200),
             sink_backoff_max: Duration::from_secs(30),
             publish_timeout: Duration::from_secs(120),
-            max_pages_floor: crate::config::DEFAULT_MAX_PAGES_FLOOR,
-            full_retry_initial: Duration::from_secs(30),
-            full_retry_max: Duration::from_secs(3600),
+            max_pages_floor: DEFAULT_MAX_PAGES_FLOOR,
+            // A failed full sweep is retried after a poll interval, doubling up to the resync interval.
+            full_retry_initial: DEFAULT_POLL_INTERVAL,
+            full_retry_max: DEFAULT_FULL_RESYNC_INTERVAL,
             on_record_error: OnRecordError::default(),
         }
     }

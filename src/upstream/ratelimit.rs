@@ -345,6 +345,9 @@ impl RateBudget {
             return true;
         }
         let share = *lock(&self.bulk_share);
+        if share >= 1.0 {
+            return true;
+        }
         let grants = lock(&self.grants);
         let total = grants.poll + grants.bulk;
         total <= 0.0 || grants.bulk / total < share

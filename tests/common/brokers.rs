@@ -3,10 +3,10 @@
 //! a Kafka read-back helper and an event factory.
 //!
 //! Include with `#[path = "common/brokers.rs"] #[allow(dead_code)] mod brokers;`
-//! (each includer uses a different part).
+//! beside `mod common;` (each includer uses a different part).
 
 use std::fs::OpenOptions;
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -21,11 +21,7 @@ use voucher_cdc::hash::ContentHash;
 use voucher_cdc::sinks::Sink;
 use voucher_cdc::stream::StreamKey;
 
-/// A port nothing listens on right now (bound to port 0, then released).
-pub fn free_port() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().port()
-}
+use crate::common::free_port;
 
 /// Whether a missing tool must fail the test instead of skipping it: under
 /// `scripts/test.sh` (env `VCDC_REQUIRE_BROKERS=1`, it installs every tool)

@@ -15,7 +15,11 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use voucher_cdc::hash::{content_hash, IgnoreKeys};
 use voucher_cdc::simulator::Simulator;
+use voucher_cdc::sinks::nats::NatsSinkConfig;
 use voucher_cdc::stream::Resource;
+use voucher_cdc::telemetry::LogFormat;
+
+use crate::common::TestConfig;
 
 /// The JetStream stream the daemons publish to.
 pub const STREAM: &str = "VOUCHER_CDC";
@@ -38,118 +42,36 @@ pub fn daemon_binary() -> PathBuf {
     }
 }
 
-/// The knobs of a test daemon's config.
-#[derive(Debug, Clone)]
-pub struct DaemonConfig {
-    /// Simulator base URL.
-    pub base_url: String,
-    /// Simulator token.
-    pub token: String,
-    /// `nats://127.0.0.1:PORT`.
-    pub nats_url: String,
-    /// The sled directory.
-    pub state_dir: PathBuf,
-    /// `(tenant, resources)` of every stream.
-    pub tenants: Vec<(u64, Vec<Resource>)>,
-    /// `poll.interval`.
-    pub interval: &'static str,
-    /// `poll.full_resync_interval`: at most `interval` makes every sweep full.
-    pub full_resync_interval: &'static str,
-}
-
-impl DaemonConfig {
-    /// A config for `sim`'s streams, publishing to `nats_url`, state under `dir`.
-    pub fn new(
-        sim: &Simulator,
-        nats_url: &str,
-        dir: &Path,
-        tenants: Vec<(u64, Vec<Resource>)>,
-    ) -> Self {
-        DaemonConfig {
-            base_url: sim.base_url(),
-            token: sim.token().to_string(),
-            nats_url: nats_url.to_string(),
-            state_dir: dir.join("state"),
-            tenants,
-            interval: "100ms",
-            full_resync_interval: "1h",
-        }
-    }
-
-    /// The same config with every sweep due as a full sweep.
-    pub fn full_sweeps(&self) -> Self {
-        DaemonConfig {
-            interval: "10ms",
-            full_resync_interval: "10ms",
-            ..self.clone()
-        }
-    }
-
-    /// The TOML text.
-    pub fn toml(&self) -> String {
-        let mut toml = format!(
-            r#"
-[upstream]
-base_url = "{base_url}"
-token = "{token}"
-requests_per_minute = 60000
-max_attempts = 3
-
-[poll]
-interval = "{interval}"
-full_resync_interval = "{full}"
-lookback = "1s"
-max_delete_fraction = 0.9
-park_recheck_interval = "1s"
-shutdown_timeout = "5s"
-
-[state]
-path = "{state}"
-
-[sink]
-kind = "nats"
-
-[sink.nats]
-url = "{nats}"
-stream = "{STREAM}"
-subject_prefix = "voucher_cdc"
-duplicate_window = "10m"
-publish_timeout = "2s"
-connect_timeout = "10s"
-
-[admin]
-listen = "127.0.0.1:0"
-
-[log]
-format = "json"
-level = "info"
-"#,
-            base_url = self.base_url,
-            token = self.token,
-            interval = self.interval,
-            full = self.full_resync_interval,
-            state = self.state_dir.display(),
-            nats = self.nats_url,
-        );
-        for (tenant, resources) in &self.tenants {
-            let resources: Vec<String> = resources
-                .iter()
-                .map(|r| format!("\"{}\"", r.as_str()))
-                .collect();
-            let _ = write!(
-                toml,
-                "\n[[tenants]]\nid = {tenant}\nresources = [{}]\n",
-                resources.join(", ")
-            );
-        }
-        toml
-    }
-
-    /// Writes the TOML to `path` and returns it.
-    pub fn write(&self, path: &Path) -> PathBuf {
-        std::fs::write(path, self.toml()).unwrap();
-        path.to_path_buf()
-    }
+/// The config of a crash-test daemon: `sim`'s `tenants` (each with its
+/// resources), publishing to the JetStream stream [`STREAM`] at `nats_url`,
+/// state under `dir`, sweeps every 100ms and a full sweep every hour, JSON logs.
+pub fn nats_daemon_config(
+    sim: &Simulator,
+    nats_url: &str,
+    dir: &Path,
+    tenants: Vec<(u64, Vec<Resource>)>,
+) -> TestConfig {
+    let config = TestConfig::for_simulator(sim, dir, &[])
+        .with_max_attempts(3)
+        .with_poll_interval(Duration::from_millis(100))
+        .with_full_resync_interval(Duration::from_secs(3600))
+        .with_max_delete_fraction(0.9)
+        .with_shutdown_timeout(Duration::from_secs(5))
+        .with_nats_sink(NatsSinkConfig {
+            url: nats_url.to_string(),
+            stream: STREAM.to_string(),
+            subject_prefix: "voucher_cdc".to_string(),
+            duplicate_window: Duration::from_secs(600),
+            publish_timeout: Duration::from_secs(2),
+            connect_timeout: Duration::from_secs(10),
+            ..NatsSinkConfig::default()
+        })
+        .with_log(LogFormat::Json, "info");
+    tenants
+        .into_iter()
+        .fold(config, |config, (tenant, resources)| {
+            config.with_tenant(tenant, &resources)
+        })
 }
 
 /// A daemon process, its output in files (no pipe can fill up and stall it).

@@ -1,9 +1,15 @@
-//! Shared test helpers: each `spawn_*` starts a real dependency for a test.
+//! Shared test helpers: each `spawn_*` starts a real dependency for a test;
+//! [`TestConfig`] is the one config builder and [`free_port`] the one port picker.
 #![allow(dead_code)]
 
 pub mod sweeps;
+mod test_config;
+
+use std::path::Path;
 
 use voucher_cdc::simulator::{Simulator, SimulatorOptions};
+
+pub use self::test_config::TestConfig;
 
 /// Starts an in-process simulator on a free loopback port with the rate limit off.
 pub async fn spawn_simulator() -> Simulator {
@@ -95,82 +101,44 @@ impl TestDaemon {
     }
 }
 
-/// The TOML of a test daemon: file sink and state in `dir`, admin API on a
-/// free loopback port, sweeps every 200ms and a full sweep every 2s. Tables
-/// may be appended (`[log]`, more `[[tenants]]`); keys changed with [`set_key`].
-pub fn daemon_toml(base_url: &str, token: &str, dir: &std::path::Path, tenants: &[u64]) -> String {
-    let mut toml = format!(
-        r#"
-[upstream]
-base_url = "{base_url}"
-token = "{token}"
-requests_per_minute = 60000
-max_attempts = 2
-
-[poll]
-interval = "200ms"
-full_resync_interval = "2s"
-lookback = "1s"
-park_recheck_interval = "1s"
-shutdown_timeout = "10s"
-
-[state]
-path = "{state}"
-
-[sink]
-kind = "file"
-
-[sink.file]
-path = "{events}"
-
-[admin]
-listen = "127.0.0.1:0"
-"#,
-        state = dir.join("state").display(),
-        events = dir.join("events.jsonl").display(),
-    );
-    for t in tenants {
-        toml.push_str(&format!("\n[[tenants]]\nid = {t}\n"));
-    }
-    toml
-}
-
-/// [`daemon_toml`] against `sim` with its all-powerful token.
-pub fn sim_toml(sim: &Simulator, dir: &std::path::Path, tenants: &[u64]) -> String {
-    daemon_toml(&sim.base_url(), sim.token(), dir, tenants)
-}
-
-/// Starts a daemon in-process on `toml` (admin port 0 is fine).
-pub async fn spawn_daemon(toml: &str) -> TestDaemon {
-    spawn_daemon_with_sink(toml, None).await
+/// Starts a daemon in-process on `config` (admin port 0 is fine).
+pub async fn spawn_daemon(config: &TestConfig) -> TestDaemon {
+    spawn_daemon_with_sink(config, None).await
 }
 
 /// Like [`spawn_daemon`], publishing to `sink` instead of the configured one.
 pub async fn spawn_daemon_with_sink(
-    toml: &str,
+    config: &TestConfig,
     sink: Option<std::sync::Arc<dyn voucher_cdc::sinks::Sink>>,
 ) -> TestDaemon {
-    let config = voucher_cdc::config::from_toml_str(toml).expect("test config is valid");
+    use voucher_cdc::daemon::Daemon;
     let events_path = config
-        .sink
-        .file
-        .as_ref()
-        .map(|f| f.path.clone())
+        .events_path()
+        .map(Path::to_path_buf)
         .unwrap_or_default();
-    let handle = voucher_cdc::daemon::Daemon::start_with_sink(
-        config.clone(),
-        sink,
-        std::future::pending::<()>(),
-    )
-    .await
+    let config = config.config();
+    let daemon = match sink {
+        Some(sink) => Daemon::build_with_sink(&config, sink).await,
+        None => Daemon::build(&config).await,
+    }
     .expect("daemon starts");
-    let admin_url = handle.admin_url();
+    let admin_url = daemon.admin_url();
     TestDaemon {
-        handle: Some(handle),
+        handle: Some(daemon.spawn(std::future::pending::<()>())),
         admin_url,
         events_path,
         config,
     }
+}
+
+/// A free loopback port: bound to port 0, then released (for a port that
+/// must be written into a config or a command line before anything binds it).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// The events of a JSON-lines file (none when it does not exist yet).
@@ -192,32 +160,6 @@ pub async fn wait_until(what: &str, timeout: std::time::Duration, mut check: imp
         );
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
-}
-
-/// A free loopback port (bound and released; fine for tests that must write it into a config).
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// `toml` with the dotted key (`admin.token`, `log.level`) set to `value`.
-pub fn set_key(toml: &str, dotted: &str, value: impl Into<toml::Value>) -> String {
-    let mut doc: toml::Table = toml.parse().expect("valid toml");
-    let mut parts: Vec<&str> = dotted.split('.').collect();
-    let last = parts.pop().unwrap();
-    let mut table = &mut doc;
-    for part in parts {
-        table = table
-            .entry(part)
-            .or_insert_with(|| toml::Value::Table(toml::Table::new()))
-            .as_table_mut()
-            .expect("a table");
-    }
-    table.insert(last.to_string(), value.into());
-    toml::to_string(&doc).unwrap()
 }
 
 /// The built `voucher-cdc` binary.

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::{KafkaSink, KafkaSinkError};
 use crate::stream::StreamKey;
 
 /// What a secret property value looks like in `Debug` output and in [`KafkaSinkConfig::redacted`].
@@ -181,6 +182,12 @@ impl KafkaSinkConfig {
             dead_letter_topic: default_dead_letter_topic(),
             properties: BTreeMap::new(),
         }
+    }
+
+    /// Builds the sink: validates, creates the producer and, with
+    /// `create_topics`, the missing topics of `topics_for`.
+    pub async fn build(&self, topics_for: &[StreamKey]) -> Result<KafkaSink, KafkaSinkError> {
+        KafkaSink::new(self, topics_for).await
     }
 
     /// A copy with secret property values replaced by `<redacted>`, for `check-config`.

@@ -7,12 +7,13 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::{NatsSink, NatsSinkError};
 pub use crate::secret::{Secret, REDACTED};
 
-/// Configuration of the NATS JetStream sink (`[sink.nats]`).
 /// Upper bound of every `[sink.nats]` duration.
 const MAX_DURATION: Duration = Duration::from_secs(7 * 86_400);
 
+/// Configuration of the NATS JetStream sink (`[sink.nats]`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NatsSinkConfig {
@@ -145,6 +146,11 @@ fn invalid(key: &'static str, reason: impl Into<String>) -> NatsConfigError {
 }
 
 impl NatsSinkConfig {
+    /// Builds the sink: validates, connects, and creates or updates the stream.
+    pub async fn build(&self) -> Result<NatsSink, NatsSinkError> {
+        NatsSink::connect(self).await
+    }
+
     /// A copy with every secret replaced by `<redacted>`, for `check-config`.
     pub fn redacted(&self) -> Self {
         Self {

@@ -1,0 +1,906 @@
+//! What the operator writes, and what the daemon runs with. The file (see
+//! [`load`]) is read into [`RawConfig`], the shape of the file with its
+//! documented defaults; each section then checks itself and yields its typed
+//! settings, so a [`Config`] holds a parsed `Url`, a `SocketAddr`, resolved
+//! tokens and one chosen sink, and nothing downstream parses or checks them
+//! again. Every problem is reported at once, one line each naming its key.
+
+mod load;
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use url::Url;
+
+use crate::hash::IgnoreKeys;
+pub use crate::planner::Strategy;
+use crate::shard::{Shard, ShardConfig};
+use crate::sinks::config::RawSinkConfig;
+use crate::stream::{Resource, StreamKey, TenantId};
+use crate::sweep::SweepSettings;
+use crate::telemetry::LogFormat;
+use crate::upstream::client::ClientOptions;
+
+pub use self::load::{
+    from_toml_str, is_config_env_key, key_path, load, load_from, ENV_PREFIX, SECTIONS,
+};
+pub use crate::secret::Secret;
+pub use crate::sinks::config::{OnRecordError, SinkBackendConfig, SinkConfig, SinkKind};
+
+/// The configuration the daemon runs with: every section checked, every
+/// value parsed. Built only by [`RawConfig::check`] (through [`load`]).
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The External Voucher API to poll.
+    pub upstream: UpstreamConfig,
+    /// The tenants to stream; at least one, each listed once.
+    pub tenants: Vec<TenantConfig>,
+    /// Sweep timing and change detection.
+    pub poll: PollConfig,
+    /// Where the state store lives.
+    pub state: StateConfig,
+    /// Where events go.
+    pub sink: SinkConfig,
+    /// The admin HTTP API (health, metrics, status, replay).
+    pub admin: AdminConfig,
+    /// Logging.
+    pub log: LogConfig,
+    /// Tenant sharding across several daemons.
+    pub shard: ShardConfig,
+    /// The file as loaded, defaults filled in: what `check-config` prints.
+    as_loaded: RawConfig,
+}
+
+/// The whole configuration file as written, with its documented defaults.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    /// `[upstream]`.
+    #[serde(default)]
+    pub upstream: RawUpstreamConfig,
+    /// `[[tenants]]`.
+    #[serde(default)]
+    pub tenants: Vec<TenantConfig>,
+    /// `[poll]`.
+    #[serde(default)]
+    pub poll: PollConfig,
+    /// `[state]`.
+    #[serde(default)]
+    pub state: StateConfig,
+    /// `[sink]`.
+    #[serde(default)]
+    pub sink: RawSinkConfig,
+    /// `[admin]`.
+    #[serde(default)]
+    pub admin: RawAdminConfig,
+    /// `[log]`.
+    #[serde(default)]
+    pub log: LogConfig,
+    /// `[shard]`.
+    #[serde(default)]
+    pub shard: ShardConfig,
+}
+
+/// `[upstream]` as written: the API and its credentials.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawUpstreamConfig {
+    /// Base URL including `/api/external/v1`. Required.
+    #[serde(default)]
+    pub base_url: Option<String>,
+    /// Bearer token (or use `token_file`, or env `VOUCHER_CDC_UPSTREAM__TOKEN`).
+    #[serde(default)]
+    pub token: Option<Secret>,
+    /// File holding the bearer token (trailing whitespace ignored).
+    #[serde(default)]
+    pub token_file: Option<PathBuf>,
+    /// Request budget per token per minute, shared by every stream using it.
+    #[serde(default = "default_requests_per_minute")]
+    pub requests_per_minute: u32,
+    /// Timeout of one HTTP request.
+    #[serde(default = "default_timeout", with = "humantime_serde")]
+    pub timeout: Duration,
+    /// Attempts per request before a retriable failure is reported.
+    #[serde(default = "default_max_attempts")]
+    pub max_attempts: u32,
+    /// Longest `Retry-After` honoured after a 429.
+    #[serde(default = "default_retry_after_max", with = "humantime_serde")]
+    pub retry_after_max: Duration,
+}
+
+fn default_requests_per_minute() -> u32 {
+    120
+}
+fn default_timeout() -> Duration {
+    Duration::from_secs(30)
+}
+fn default_max_attempts() -> u32 {
+    6
+}
+fn default_retry_after_max() -> Duration {
+    Duration::from_secs(120)
+}
+
+impl Default for RawUpstreamConfig {
+    fn default() -> Self {
+        Self {
+            base_url: None,
+            token: None,
+            token_file: None,
+            requests_per_minute: default_requests_per_minute(),
+            timeout: default_timeout(),
+            max_attempts: default_max_attempts(),
+            retry_after_max: default_retry_after_max(),
+        }
+    }
+}
+
+/// `[upstream]` checked: the API's URL and the token every tenant without
+/// its own uses, read from `token_file` when that is how it was given.
+#[derive(Debug, Clone)]
+pub struct UpstreamConfig {
+    /// Base URL, ending in `/api/external/v1`.
+    pub base_url: Url,
+    /// `upstream.token`, else the content of `upstream.token_file`; `None`
+    /// only when every tenant has its own token.
+    pub token: Option<Secret>,
+    /// Request budget per token per minute, shared by every stream using it.
+    pub requests_per_minute: u32,
+    /// Timeout of one HTTP request.
+    pub timeout: Duration,
+    /// Attempts per request before a retriable failure is reported.
+    pub max_attempts: u32,
+    /// Longest `Retry-After` honoured after a 429.
+    pub retry_after_max: Duration,
+}
+
+impl From<&UpstreamConfig> for ClientOptions {
+    fn from(upstream: &UpstreamConfig) -> Self {
+        ClientOptions {
+            base_url: upstream.base_url.clone(),
+            timeout: upstream.timeout,
+            max_attempts: upstream.max_attempts,
+            retry_after_max: upstream.retry_after_max,
+            ..ClientOptions::default()
+        }
+    }
+}
+
+/// `[[tenants]]`: one tenant to stream.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantConfig {
+    /// Tenant id as used in the API path.
+    pub id: TenantId,
+    /// Resources to stream for this tenant.
+    #[serde(default = "default_resources")]
+    pub resources: Vec<Resource>,
+    /// Per-tenant bearer token overriding `upstream.token`.
+    #[serde(default)]
+    pub token: Option<Secret>,
+}
+
+fn default_resources() -> Vec<Resource> {
+    Resource::ALL.to_vec()
+}
+
+/// Default of `poll.interval`.
+pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(30);
+/// Default of `poll.full_resync_interval`.
+pub const DEFAULT_FULL_RESYNC_INTERVAL: Duration = Duration::from_secs(3600);
+/// Default of `poll.lookback`.
+pub const DEFAULT_LOOKBACK: Duration = Duration::from_secs(60);
+/// Default of `poll.include_relations`.
+pub const DEFAULT_INCLUDE_RELATIONS: bool = true;
+/// Default of `poll.ignore_keys`.
+pub const DEFAULT_IGNORE_KEYS: [&str; 1] = ["updated_at"];
+/// Default of `poll.max_delete_fraction`.
+pub const DEFAULT_MAX_DELETE_FRACTION: f64 = 0.5;
+/// Default of `poll.park_recheck_interval`.
+pub const DEFAULT_PARK_RECHECK_INTERVAL: Duration = Duration::from_secs(300);
+/// Default of `poll.jitter`.
+pub const DEFAULT_JITTER: f64 = 0.1;
+/// Default of `poll.shutdown_timeout`.
+pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default of `poll.max_interval`: the staleness cap of the adaptive planner.
+pub const DEFAULT_MAX_INTERVAL: Duration = Duration::from_secs(300);
+/// Default of `poll.full_sweep_share`.
+pub const DEFAULT_FULL_SWEEP_SHARE: f64 = 0.25;
+/// Default of `poll.max_pages_floor`: a listing of 500,000 records.
+pub const DEFAULT_MAX_PAGES_FLOOR: u64 = 10_000;
+
+/// `[poll]`: when and how streams are swept. Its defaults are the
+/// `DEFAULT_*` constants above, the one place they are written.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PollConfig {
+    /// Period of incremental sweeps per stream (the floor under the planner).
+    #[serde(default = "default_interval", with = "humantime_serde")]
+    pub interval: Duration,
+    /// Period of full sweeps (deletions, changes without an updated_at bump).
+    #[serde(default = "default_full_resync_interval", with = "humantime_serde")]
+    pub full_resync_interval: Duration,
+    /// Overlap subtracted from the watermark for late commits upstream.
+    #[serde(default = "default_lookback", with = "humantime_serde")]
+    pub lookback: Duration,
+    /// Ask for relations (vouchers: categories,variants; categories: products).
+    #[serde(default = "default_include_relations")]
+    pub include_relations: bool,
+    /// Keys left out of the content hash, at any depth.
+    #[serde(default = "default_ignore_keys")]
+    pub ignore_keys: Vec<String>,
+    /// A full sweep that would delete more than this fraction of known records refuses.
+    #[serde(default = "default_max_delete_fraction")]
+    pub max_delete_fraction: f64,
+    /// How often a parked stream (401/403/404) is tried again.
+    #[serde(default = "default_park_recheck_interval", with = "humantime_serde")]
+    pub park_recheck_interval: Duration,
+    /// Random spread of every wait, as a fraction of it (0.1 = plus or minus 10%).
+    #[serde(default = "default_jitter")]
+    pub jitter: f64,
+    /// How long shutdown waits for the pages in flight to be acknowledged and committed.
+    #[serde(default = "default_shutdown_timeout", with = "humantime_serde")]
+    pub shutdown_timeout: Duration,
+    /// Fewest pages one listing may take before it counts as endless (the
+    /// limit grows with the records known: twice their pages plus 100).
+    #[serde(default = "default_max_pages_floor")]
+    pub max_pages_floor: u64,
+    /// Staleness cap: no stream waits longer between two polls (adaptive);
+    /// a cap below `interval` is raised to it (see [`PollConfig::staleness_cap`]).
+    #[serde(default = "default_max_interval", with = "humantime_serde")]
+    pub max_interval: Duration,
+    /// How streams share their token's budget: `adaptive` (the planner) or `uniform`.
+    #[serde(default)]
+    pub strategy: Strategy,
+    /// Share of a contended budget that full-sweep pages may take (0 to 1).
+    #[serde(default = "default_full_sweep_share")]
+    pub full_sweep_share: f64,
+}
+
+fn default_interval() -> Duration {
+    DEFAULT_POLL_INTERVAL
+}
+fn default_max_interval() -> Duration {
+    DEFAULT_MAX_INTERVAL
+}
+fn default_full_sweep_share() -> f64 {
+    DEFAULT_FULL_SWEEP_SHARE
+}
+fn default_full_resync_interval() -> Duration {
+    DEFAULT_FULL_RESYNC_INTERVAL
+}
+fn default_lookback() -> Duration {
+    DEFAULT_LOOKBACK
+}
+fn default_include_relations() -> bool {
+    DEFAULT_INCLUDE_RELATIONS
+}
+fn default_ignore_keys() -> Vec<String> {
+    DEFAULT_IGNORE_KEYS.map(String::from).to_vec()
+}
+fn default_max_delete_fraction() -> f64 {
+    DEFAULT_MAX_DELETE_FRACTION
+}
+fn default_park_recheck_interval() -> Duration {
+    DEFAULT_PARK_RECHECK_INTERVAL
+}
+fn default_jitter() -> f64 {
+    DEFAULT_JITTER
+}
+fn default_shutdown_timeout() -> Duration {
+    DEFAULT_SHUTDOWN_TIMEOUT
+}
+fn default_max_pages_floor() -> u64 {
+    DEFAULT_MAX_PAGES_FLOOR
+}
+
+impl Default for PollConfig {
+    fn default() -> Self {
+        Self {
+            interval: default_interval(),
+            max_interval: default_max_interval(),
+            strategy: Strategy::default(),
+            full_sweep_share: default_full_sweep_share(),
+            full_resync_interval: default_full_resync_interval(),
+            lookback: default_lookback(),
+            include_relations: default_include_relations(),
+            ignore_keys: default_ignore_keys(),
+            max_delete_fraction: default_max_delete_fraction(),
+            park_recheck_interval: default_park_recheck_interval(),
+            jitter: default_jitter(),
+            shutdown_timeout: default_shutdown_timeout(),
+            max_pages_floor: default_max_pages_floor(),
+        }
+    }
+}
+
+/// The sweep settings `[poll]` asks for; the sweep's own knobs (sink
+/// backoff, publish timeout) and `sink.on_record_error` keep their defaults.
+impl From<&PollConfig> for SweepSettings {
+    fn from(poll: &PollConfig) -> Self {
+        SweepSettings {
+            lookback: poll.lookback,
+            include_relations: poll.include_relations,
+            ignore_keys: IgnoreKeys::new(&poll.ignore_keys),
+            max_delete_fraction: poll.max_delete_fraction,
+            max_pages_floor: poll.max_pages_floor,
+            full_retry_initial: poll.interval,
+            full_retry_max: poll.full_resync_interval,
+            ..SweepSettings::default()
+        }
+    }
+}
+
+/// `[state]`: the sled store.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StateConfig {
+    /// Directory of the sled store.
+    #[serde(default = "default_state_path")]
+    pub path: PathBuf,
+}
+
+fn default_state_path() -> PathBuf {
+    PathBuf::from("./data/state")
+}
+
+impl Default for StateConfig {
+    fn default() -> Self {
+        Self {
+            path: default_state_path(),
+        }
+    }
+}
+
+/// `[admin]` as written.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAdminConfig {
+    /// Listen address; `off` is not supported, use a loopback address to keep it private.
+    #[serde(default = "default_admin_listen")]
+    pub listen: String,
+    /// Bearer token for the admin API; required when `listen` is not loopback.
+    #[serde(default)]
+    pub token: Option<Secret>,
+}
+
+fn default_admin_listen() -> String {
+    "127.0.0.1:9464".to_string()
+}
+
+impl Default for RawAdminConfig {
+    fn default() -> Self {
+        Self {
+            listen: default_admin_listen(),
+            token: None,
+        }
+    }
+}
+
+/// `[admin]` checked: a listen address, and a token wherever it is not loopback.
+#[derive(Debug, Clone)]
+pub struct AdminConfig {
+    /// The address the admin API listens on (port 0: any free port).
+    pub listen: SocketAddr,
+    /// Bearer token for the `/v1` endpoints; always set when `listen` is not loopback.
+    pub token: Option<Secret>,
+}
+
+/// `[log]`: logging.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    /// pretty | json.
+    #[serde(default)]
+    pub format: LogFormat,
+    /// A tracing filter: `info`, `debug`, `voucher_cdc=debug,info`, ...
+    #[serde(default = "default_log_level")]
+    pub level: String,
+}
+
+fn default_log_level() -> String {
+    "info".to_string()
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self {
+            format: LogFormat::default(),
+            level: default_log_level(),
+        }
+    }
+}
+
+/// A configuration that could not be loaded: every problem, one line each.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}", problems.join("\n"))]
+pub struct ConfigError {
+    /// One line per problem, each naming its key.
+    pub problems: Vec<String>,
+}
+
+impl ConfigError {
+    fn one(problem: impl Into<String>) -> Self {
+        Self {
+            problems: vec![problem.into()],
+        }
+    }
+}
+
+/// The path every `upstream.base_url` ends in.
+const API_PATH: &str = "/api/external/v1";
+/// Upper bound of `upstream.requests_per_minute`.
+const MAX_REQUESTS_PER_MINUTE: u64 = 1_000_000;
+/// Upper bound of `upstream.max_attempts`.
+const MAX_ATTEMPTS: u64 = 100;
+/// Seconds in a day, for the upper bounds of durations.
+const DAY: u64 = 86_400;
+
+/// The problems the section checks find, one line each naming its key.
+#[derive(Debug, Default)]
+struct Problems(Vec<String>);
+
+impl Problems {
+    /// `key: what`.
+    fn bad(&mut self, key: &str, what: impl std::fmt::Display) {
+        self.0.push(format!("{key}: {what}"));
+    }
+
+    /// An error whose text already names its key.
+    fn add(&mut self, error: impl std::fmt::Display) {
+        self.0.push(error.to_string());
+    }
+
+    /// Durations longer than `max` are mistakes and would overflow time
+    /// arithmetic (a watermark minus `lookback`).
+    fn at_most(&mut self, key: &str, value: Duration, max: Duration) {
+        if value > max {
+            self.bad(
+                key,
+                format!(
+                    "{} is too long: at most {}",
+                    humantime::format_duration(value),
+                    humantime::format_duration(max)
+                ),
+            );
+        }
+    }
+
+    /// Counts larger than `max` are mistakes.
+    fn at_most_count(&mut self, key: &str, value: u64, max: u64) {
+        if value > max {
+            self.bad(key, format!("{value} is too large: at most {max}"));
+        }
+    }
+}
+
+impl RawConfig {
+    /// Checks every section (each reports its own problems) and returns the
+    /// typed config, or every problem at once.
+    pub fn check(self) -> Result<Config, ConfigError> {
+        let mut problems = Problems::default();
+        let upstream = self.upstream.check(&self.tenants, &mut problems);
+        check_tenants(&self.tenants, &mut problems);
+        self.poll.check(&mut problems);
+        self.state.check(&mut problems);
+        let sink = self.sink.check().map_err(|e| problems.add(e)).ok();
+        let admin = self.admin.check(&mut problems);
+        self.log.check(&mut problems);
+        if let Err(e) = self.shard.validate() {
+            problems.add(e);
+        }
+        match (upstream, sink, admin) {
+            (Some(upstream), Some(sink), Some(admin)) if problems.0.is_empty() => Ok(Config {
+                upstream,
+                tenants: self.tenants.clone(),
+                poll: self.poll.clone(),
+                state: self.state.clone(),
+                sink,
+                admin,
+                log: self.log.clone(),
+                shard: self.shard,
+                as_loaded: self,
+            }),
+            _ => Err(ConfigError {
+                problems: problems.0,
+            }),
+        }
+    }
+}
+
+impl RawUpstreamConfig {
+    /// The checked section; `None` when `base_url` is missing or unusable.
+    fn check(&self, tenants: &[TenantConfig], problems: &mut Problems) -> Option<UpstreamConfig> {
+        let base_url = self.check_base_url(problems);
+        let token = self.resolve_token(tenants, problems);
+        if self.requests_per_minute == 0 {
+            problems.bad("upstream.requests_per_minute", "must be at least 1");
+        }
+        if self.timeout.is_zero() {
+            problems.bad("upstream.timeout", "must be greater than 0s");
+        }
+        if self.max_attempts == 0 {
+            problems.bad("upstream.max_attempts", "must be at least 1");
+        }
+        problems.at_most("upstream.timeout", self.timeout, Duration::from_secs(3600));
+        problems.at_most(
+            "upstream.retry_after_max",
+            self.retry_after_max,
+            Duration::from_secs(DAY),
+        );
+        problems.at_most_count(
+            "upstream.requests_per_minute",
+            u64::from(self.requests_per_minute),
+            MAX_REQUESTS_PER_MINUTE,
+        );
+        problems.at_most_count(
+            "upstream.max_attempts",
+            u64::from(self.max_attempts),
+            MAX_ATTEMPTS,
+        );
+        Some(UpstreamConfig {
+            base_url: base_url?,
+            token,
+            requests_per_minute: self.requests_per_minute,
+            timeout: self.timeout,
+            max_attempts: self.max_attempts,
+            retry_after_max: self.retry_after_max,
+        })
+    }
+
+    /// `base_url` parsed: http or https, ending in [`API_PATH`].
+    fn check_base_url(&self, problems: &mut Problems) -> Option<Url> {
+        const KEY: &str = "upstream.base_url";
+        let Some(raw) = &self.base_url else {
+            problems.bad(KEY, "required");
+            return None;
+        };
+        let url = match Url::parse(raw) {
+            Ok(url) => url,
+            Err(e) => {
+                problems.bad(KEY, format!("not a valid URL ({e}): `{raw}`"));
+                return None;
+            }
+        };
+        if url.scheme() != "http" && url.scheme() != "https" {
+            problems.bad(
+                KEY,
+                format!(
+                    "scheme `{}` not supported: valid options are http, https",
+                    url.scheme()
+                ),
+            );
+            return None;
+        }
+        if !url.path().trim_end_matches('/').ends_with(API_PATH) {
+            problems.bad(
+                KEY,
+                format!(
+                    "`{raw}` does not end in {API_PATH}, where the External Voucher API lives: did you mean `{}{API_PATH}`?",
+                    raw.trim_end_matches('/')
+                ),
+            );
+            return None;
+        }
+        Some(url)
+    }
+
+    /// `token`, else the content of `token_file`; a problem when both are
+    /// given, when neither is and a tenant has no token of its own, or when
+    /// the token is empty.
+    fn resolve_token(&self, tenants: &[TenantConfig], problems: &mut Problems) -> Option<Secret> {
+        let every_tenant_has_a_token =
+            !tenants.is_empty() && tenants.iter().all(|t| t.token.is_some());
+        let resolved = match (&self.token, &self.token_file) {
+            (Some(_), Some(_)) => {
+                problems.bad(
+                    "upstream.token_file",
+                    "set either upstream.token or upstream.token_file, not both",
+                );
+                None
+            }
+            (None, None) => {
+                if !every_tenant_has_a_token {
+                    problems.bad(
+                        "upstream.token",
+                        "required (or upstream.token_file, or env VOUCHER_CDC_UPSTREAM__TOKEN)",
+                    );
+                }
+                None
+            }
+            (None, Some(path)) => match read_token_file(path) {
+                Ok(token) => Some(Secret::new(token)),
+                Err(e) => {
+                    problems.bad("upstream.token_file", e);
+                    None
+                }
+            },
+            (Some(token), None) => Some(token.clone()),
+        };
+        if self.token.as_ref().is_some_and(is_blank) {
+            problems.bad(
+                "upstream.token",
+                "is empty: set the API token, or remove the key",
+            );
+        }
+        resolved
+    }
+}
+
+/// `[[tenants]]`: at least one, each listed once, each with at least one
+/// resource and no resource twice, no empty token.
+fn check_tenants(tenants: &[TenantConfig], problems: &mut Problems) {
+    for (i, t) in tenants.iter().enumerate() {
+        if t.token.as_ref().is_some_and(is_blank) {
+            problems.bad(
+                &format!("tenants[{i}].token"),
+                "is empty: set the API token, or remove the key",
+            );
+        }
+    }
+    if tenants.is_empty() {
+        problems.bad("tenants", "at least one [[tenants]] entry is required");
+    }
+    let mut seen = BTreeSet::new();
+    for (i, t) in tenants.iter().enumerate() {
+        if !seen.insert(t.id) {
+            problems.bad(
+                &format!("tenants[{i}].id"),
+                format!("tenant {} is listed twice", t.id),
+            );
+        }
+        if t.resources.is_empty() {
+            problems.bad(
+                &format!("tenants[{i}].resources"),
+                "must name at least one of vouchers, categories",
+            );
+        }
+        let distinct: BTreeSet<_> = t.resources.iter().collect();
+        if distinct.len() != t.resources.len() {
+            problems.bad(&format!("tenants[{i}].resources"), "lists a resource twice");
+        }
+    }
+}
+
+impl PollConfig {
+    /// The staleness cap the planner keeps: `max_interval`, at least `interval`.
+    pub fn staleness_cap(&self) -> Duration {
+        self.max_interval.max(self.interval)
+    }
+
+    /// Every `[poll]` rule: periods above zero and bounded, fractions in range.
+    fn check(&self, problems: &mut Problems) {
+        if self.interval.is_zero() {
+            problems.bad("poll.interval", "must be greater than 0s");
+        }
+        if !(self.full_sweep_share > 0.0 && self.full_sweep_share <= 1.0) {
+            problems.bad(
+                "poll.full_sweep_share",
+                format!(
+                    "must be greater than 0 and at most 1, got {}",
+                    self.full_sweep_share
+                ),
+            );
+        }
+        if self.full_resync_interval < self.interval {
+            problems.bad(
+                "poll.full_resync_interval",
+                "must be at least poll.interval",
+            );
+        }
+        if !(0.0..=1.0).contains(&self.max_delete_fraction) {
+            problems.bad(
+                "poll.max_delete_fraction",
+                format!("must be between 0 and 1, got {}", self.max_delete_fraction),
+            );
+        }
+        if self.ignore_keys.iter().any(|k| k == "id") {
+            problems.bad("poll.ignore_keys", "must not contain `id`");
+        }
+        if self.park_recheck_interval.is_zero() {
+            problems.bad("poll.park_recheck_interval", "must be greater than 0s");
+        }
+        if !(0.0..=0.5).contains(&self.jitter) {
+            problems.bad(
+                "poll.jitter",
+                format!("must be between 0 and 0.5, got {}", self.jitter),
+            );
+        }
+        if self.shutdown_timeout.is_zero() {
+            problems.bad("poll.shutdown_timeout", "must be greater than 0s");
+        }
+        if !(1..=10_000_000).contains(&self.max_pages_floor) {
+            problems.bad(
+                "poll.max_pages_floor",
+                format!(
+                    "must be between 1 and 10000000, got {}",
+                    self.max_pages_floor
+                ),
+            );
+        }
+        let days = |n: u64| Duration::from_secs(n * DAY);
+        problems.at_most("poll.interval", self.interval, days(30));
+        problems.at_most(
+            "poll.full_resync_interval",
+            self.full_resync_interval,
+            days(365),
+        );
+        problems.at_most("poll.lookback", self.lookback, days(30));
+        problems.at_most("poll.max_interval", self.max_interval, days(30));
+        problems.at_most(
+            "poll.park_recheck_interval",
+            self.park_recheck_interval,
+            days(30),
+        );
+        problems.at_most(
+            "poll.shutdown_timeout",
+            self.shutdown_timeout,
+            Duration::from_secs(3600),
+        );
+    }
+}
+
+impl StateConfig {
+    /// `[state]`: a path is given.
+    fn check(&self, problems: &mut Problems) {
+        if self.path.as_os_str().is_empty() {
+            problems.bad("state.path", "must not be empty");
+        }
+    }
+}
+
+impl RawAdminConfig {
+    /// The checked section; `None` when `listen` is not an address.
+    fn check(&self, problems: &mut Problems) -> Option<AdminConfig> {
+        if self.token.as_ref().is_some_and(is_blank) {
+            problems.bad("admin.token", "is empty: set a token, or remove the key");
+        }
+        let Ok(listen) = self.listen.parse::<SocketAddr>() else {
+            problems.bad(
+                "admin.listen",
+                format!("`{}` is not an address like 127.0.0.1:9464", self.listen),
+            );
+            return None;
+        };
+        if !listen.ip().is_loopback() && self.token.is_none() {
+            problems.bad(
+                "admin.token",
+                format!("required when admin.listen ({listen}) is not a loopback address"),
+            );
+        }
+        Some(AdminConfig {
+            listen,
+            token: self.token.clone(),
+        })
+    }
+}
+
+impl LogConfig {
+    /// `[log]`: the level is a valid tracing filter.
+    fn check(&self, problems: &mut Problems) {
+        if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.level) {
+            problems.bad(
+                "log.level",
+                format!("`{}` is not a valid filter: {e}", self.level),
+            );
+        }
+    }
+}
+
+impl Config {
+    /// Every configured stream, whichever shard owns it.
+    pub fn all_streams(&self) -> Vec<StreamKey> {
+        self.streams(&Shard::single())
+    }
+
+    /// The streams a daemon running as `shard` owns.
+    pub fn streams(&self, shard: &Shard) -> Vec<StreamKey> {
+        self.tenants
+            .iter()
+            .filter(|t| shard.owns(t.id))
+            .flat_map(|t| t.resources.iter().map(|r| StreamKey::new(t.id, *r)))
+            .collect()
+    }
+
+    /// The bearer token a tenant uses: its own, else the upstream one
+    /// (`upstream.token` or `token_file`). `None` only for a tenant that is
+    /// not configured while every configured one has its own.
+    pub fn token_for(&self, tenant: TenantId) -> Option<&Secret> {
+        self.tenants
+            .iter()
+            .find(|t| t.id == tenant)
+            .and_then(|t| t.token.as_ref())
+            .or(self.upstream.token.as_ref())
+    }
+
+    /// The effective config as TOML (the file as loaded, every default
+    /// filled in, the chosen sink's defaults shown), every secret redacted.
+    pub fn redacted_toml(&self) -> String {
+        let shown = RawConfig {
+            sink: self.as_loaded.sink.redacted(),
+            ..self.as_loaded.clone()
+        };
+        match toml::to_string_pretty(&shown) {
+            Ok(s) => s,
+            Err(e) => format!("# could not render the config: {e}\n"),
+        }
+    }
+}
+
+/// True for a secret that is empty or only whitespace.
+fn is_blank(secret: &Secret) -> bool {
+    secret.expose().trim().is_empty()
+}
+
+/// The token in `path`, trimmed; an empty or unreadable file is an error.
+fn read_token_file(path: &std::path::Path) -> Result<String, String> {
+    match std::fs::read_to_string(path) {
+        Ok(s) if s.trim().is_empty() => Err(format!("{} is empty", path.display())),
+        Ok(s) => Ok(s.trim().to_string()),
+        Err(e) => Err(format!("cannot read {}: {e}", path.display())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw(toml_text: &str) -> RawConfig {
+        figment::Figment::new()
+            .merge(<figment::providers::Toml as figment::providers::Format>::string(toml_text))
+            .extract()
+            .unwrap()
+    }
+
+    const MINIMAL: &str =
+        "[upstream]\nbase_url = \"http://x/api/external/v1\"\ntoken = \"t\"\n[[tenants]]\nid = 1\n";
+
+    #[test]
+    fn checking_yields_typed_settings() {
+        let config = raw(&format!("{MINIMAL}[admin]\nlisten = \"127.0.0.1:0\"\n"))
+            .check()
+            .unwrap();
+        assert_eq!(
+            config.upstream.base_url.as_str(),
+            "http://x/api/external/v1"
+        );
+        assert_eq!(config.admin.listen, SocketAddr::from(([127, 0, 0, 1], 0)));
+        assert_eq!(config.token_for(1).map(Secret::expose), Some("t"));
+        assert_eq!(config.sink.kind(), SinkKind::Nats);
+    }
+
+    #[test]
+    fn a_token_file_is_read_once_at_load() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("token");
+        std::fs::write(&path, "from-file\n").unwrap();
+        let text = MINIMAL.replace(
+            "token = \"t\"",
+            &format!("token_file = {:?}", path.display().to_string()),
+        );
+        let config = raw(&text).check().unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(config.token_for(1).map(Secret::expose), Some("from-file"));
+    }
+
+    #[test]
+    fn poll_defaults_are_the_named_constants_and_reach_the_sweep() {
+        let poll = PollConfig::default();
+        assert_eq!(poll.lookback, DEFAULT_LOOKBACK);
+        assert_eq!(poll.ignore_keys, DEFAULT_IGNORE_KEYS.to_vec());
+        assert_eq!(poll.max_delete_fraction, DEFAULT_MAX_DELETE_FRACTION);
+        let custom = PollConfig {
+            lookback: Duration::from_secs(5),
+            max_pages_floor: 7,
+            ..poll
+        };
+        let settings = SweepSettings::from(&custom);
+        assert_eq!(settings.lookback, Duration::from_secs(5));
+        assert_eq!(settings.max_pages_floor, 7);
+        assert_eq!(settings.full_retry_initial, DEFAULT_POLL_INTERVAL);
+        assert_eq!(settings.full_retry_max, DEFAULT_FULL_RESYNC_INTERVAL);
+    }
+}
