@@ -27,6 +27,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
 use super::cursor::query_fingerprint;
+use super::journal;
 use super::listing;
 use super::model::{ts, MessageError, Single, ValidationError};
 use super::query::{self, FieldErrors};
@@ -332,6 +333,7 @@ fn accepts_json(headers: &HeaderMap) -> bool {
 /// Records every request and sets the common headers; applies body faults.
 async fn observe(State(state): State<AppState>, request: Request, next: Next) -> Response {
     let at = Instant::now();
+    let arrived = chrono::Utc::now();
     let method = request.method().to_string();
     let path = request.uri().path().to_string();
     let query = request.uri().query().map(str::to_string);
@@ -352,19 +354,36 @@ async fn observe(State(state): State<AppState>, request: Request, next: Next) ->
         header::CACHE_CONTROL,
         HeaderValue::from_static("private, no-store"),
     );
+    let status = if response.extensions().get::<Dropped>().is_some() {
+        0
+    } else {
+        response.status().as_u16()
+    };
+    if let Some(journal) = &state.request_journal {
+        journal.append(&serde_json::json!({
+            "at": journal::timestamp(arrived),
+            "path": path,
+            "status": status,
+        }));
+    }
     state.log_request(RequestLogEntry {
         at,
         method,
         path,
         query,
-        status: if response.extensions().get::<Dropped>().is_some() {
-            0
-        } else {
-            response.status().as_u16()
-        },
+        status,
         token_fingerprint: fingerprint,
     });
     response
+}
+
+/// The rate window in the 429 message: "minute" for the default 60 s.
+fn window_name(window: Duration) -> String {
+    if window == Duration::from_secs(60) {
+        "minute".to_string()
+    } else {
+        humantime::format_duration(window).to_string()
+    }
 }
 
 async fn mangle(response: Response, fault: Fault) -> Response {
@@ -464,8 +483,9 @@ async fn guard(
         let mut response = message(
             StatusCode::TOO_MANY_REQUESTS,
             format!(
-                "too many requests: the limit is {} per minute per token and IP; retry after {seconds} s",
-                state.settings.rate_limit()
+                "too many requests: the limit is {} per {} per token and IP; retry after {seconds} s",
+                state.settings.rate_limit(),
+                window_name(state.settings.rate_window)
             ),
         );
         if state.settings.retry_after_header {

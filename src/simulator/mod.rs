@@ -8,6 +8,7 @@
 mod cursor;
 mod data;
 mod http;
+mod journal;
 mod listing;
 pub mod model;
 mod mutator;
@@ -18,6 +19,7 @@ mod store;
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -38,7 +40,7 @@ pub const API_PREFIX: &str = "/api/external/v1";
 /// Fixed page size of list operations.
 pub const PAGE_SIZE: usize = 50;
 
-fn parse_fail_rate(text: &str) -> Result<f64, String> {
+fn parse_fraction(text: &str) -> Result<f64, String> {
     let rate: f64 = text
         .parse()
         .map_err(|_| format!("`{text}` is not a number; use a fraction between 0 and 1"))?;
@@ -46,6 +48,23 @@ fn parse_fail_rate(text: &str) -> Result<f64, String> {
         Ok(rate)
     } else {
         Err(format!("`{text}` is outside 0..=1"))
+    }
+}
+
+fn parse_skew(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(skew) if skew.is_finite() && (0.0..=10.0).contains(&skew) => Ok(skew),
+        _ => Err(format!(
+            "`{text}` is not a Zipf exponent between 0 and 10 (0 = uniform)"
+        )),
+    }
+}
+
+fn parse_rate_window(text: &str) -> Result<Duration, String> {
+    match humantime::parse_duration(text) {
+        Ok(window) if !window.is_zero() => Ok(window),
+        Ok(_) => Err(format!("`{text}` is not a positive duration")),
+        Err(e) => Err(format!("`{text}` is not a duration (e.g. 60s, 500ms): {e}")),
     }
 }
 
@@ -141,6 +160,12 @@ pub struct SimulateArgs {
     /// Background changes per minute over all tenants (0 = none).
     #[arg(long, default_value_t = 0)]
     pub changes_per_minute: u32,
+    /// Zipf exponent of the tenant a background change lands on (0 = uniform; tenant 1 hottest).
+    #[arg(long, default_value_t = 0.0, value_parser = parse_skew)]
+    pub change_skew: f64,
+    /// Share of tenants (the highest-numbered) that never change (0..=1).
+    #[arg(long, default_value_t = 0.0, value_parser = parse_fraction)]
+    pub idle_tenants: f64,
     /// Seed of the generated data and of the background changes.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
@@ -150,8 +175,11 @@ pub struct SimulateArgs {
     /// Requests per minute per token and client IP (0 = unlimited).
     #[arg(long, default_value_t = 120)]
     pub rate_limit: u32,
+    /// The window `--rate-limit` counts in (a fixed window per token and IP from its first request).
+    #[arg(long, default_value = "60s", value_parser = parse_rate_window)]
+    pub rate_window: Duration,
     /// Fraction of requests answered with an injected 5xx (0..=1).
-    #[arg(long, default_value_t = 0.0, value_parser = parse_fail_rate)]
+    #[arg(long, default_value_t = 0.0, value_parser = parse_fraction)]
     pub fail_rate: f64,
     /// Delay added to every response (e.g. `50ms`).
     #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
@@ -163,6 +191,12 @@ pub struct SimulateArgs {
     /// `TENANT:ID:BYTES` (a voucher) or `TENANT:RESOURCE:ID:BYTES`; repeatable.
     #[arg(long, value_name = "TENANT:ID:BYTES")]
     pub oversize: Vec<Oversize>,
+    /// Append one JSON line per background change to this file.
+    #[arg(long, value_name = "FILE")]
+    pub change_log: Option<PathBuf>,
+    /// Append one JSON line per API request to this file.
+    #[arg(long, value_name = "FILE")]
+    pub request_log: Option<PathBuf>,
 }
 
 /// Options of an in-process simulator; see [`SimulateArgs`] for the meaning of shared fields.
@@ -178,12 +212,18 @@ pub struct SimulatorOptions {
     pub categories: usize,
     /// Background changes per minute over all tenants (0 = none).
     pub changes_per_minute: u32,
+    /// Zipf exponent of the tenant a background change lands on (0 = uniform).
+    pub change_skew: f64,
+    /// Share of tenants (the highest-numbered) that never change.
+    pub idle_tenants: f64,
     /// Seed of the generated data and background changes.
     pub seed: u64,
     /// Bearer token granting every permission on every tenant.
     pub token: String,
     /// Requests per minute per token and client IP (0 = unlimited).
     pub rate_limit: u32,
+    /// The window the rate limit counts in (the flag is per minute: 60 s by default).
+    pub rate_window: Duration,
     /// Fraction of requests answered with an injected 5xx.
     pub fail_rate: f64,
     /// Delay added to every response.
@@ -194,6 +234,10 @@ pub struct SimulatorOptions {
     pub listing_fault: Option<ListingFault>,
     /// Records padded to a minimum JSON size from the start.
     pub oversize: Vec<Oversize>,
+    /// JSON-lines file receiving one line per background change.
+    pub change_log: Option<PathBuf>,
+    /// JSON-lines file receiving one line per API request.
+    pub request_log: Option<PathBuf>,
 }
 
 impl Default for SimulatorOptions {
@@ -204,14 +248,19 @@ impl Default for SimulatorOptions {
             vouchers: 200,
             categories: 20,
             changes_per_minute: 0,
+            change_skew: 0.0,
+            idle_tenants: 0.0,
             seed: 42,
             token: "sim-token".to_string(),
             rate_limit: 120,
+            rate_window: Duration::from_secs(60),
             fail_rate: 0.0,
             latency: Duration::ZERO,
             retry_after_header: true,
             listing_fault: None,
             oversize: Vec::new(),
+            change_log: None,
+            request_log: None,
         }
     }
 }
@@ -224,14 +273,19 @@ impl From<SimulateArgs> for SimulatorOptions {
             vouchers: args.vouchers,
             categories: args.categories,
             changes_per_minute: args.changes_per_minute,
+            change_skew: args.change_skew,
+            idle_tenants: args.idle_tenants,
             seed: args.seed,
             token: args.token,
             rate_limit: args.rate_limit,
+            rate_window: args.rate_window,
             fail_rate: args.fail_rate,
             latency: args.latency,
             retry_after_header: true,
             listing_fault: args.listing_fault,
             oversize: args.oversize,
+            change_log: args.change_log,
+            request_log: args.request_log,
         }
     }
 }
@@ -333,22 +387,44 @@ impl Simulator {
         if opts.tenants == 0 {
             anyhow::bail!("at least one tenant is required");
         }
+        if !(0.0..=1.0).contains(&opts.idle_tenants) {
+            anyhow::bail!("idle tenant share {} is outside 0..=1", opts.idle_tenants);
+        }
+        if !(opts.change_skew.is_finite() && opts.change_skew >= 0.0) {
+            anyhow::bail!(
+                "change skew {} is not a finite exponent >= 0",
+                opts.change_skew
+            );
+        }
+        if opts.rate_window.is_zero() {
+            anyhow::bail!("the rate window must be longer than zero");
+        }
+        let open = |path: &Option<PathBuf>| path.as_deref().map(journal::Journal::open).transpose();
+        let change_log = open(&opts.change_log)?;
+        let request_log = open(&opts.request_log)?;
         let listener = tokio::net::TcpListener::bind(opts.listen)
             .await
             .with_context(|| format!("binding simulator listener on {}", opts.listen))?;
         let addr = listener
             .local_addr()
             .context("reading simulator listen address")?;
-        let state = Arc::new(state::SimState::new(&opts));
+        let mut state = state::SimState::new(&opts);
+        state.request_journal = request_log;
+        let state = Arc::new(state);
         let cancel = CancellationToken::new();
         let server = tokio::spawn(http::serve(listener, state.clone(), cancel.clone()));
         let mutator = (opts.changes_per_minute > 0).then(|| {
-            tokio::spawn(mutator::run(
-                state.clone(),
-                opts.changes_per_minute,
-                opts.seed,
-                cancel.clone(),
-            ))
+            let plan = mutator::MutatorPlan {
+                per_minute: opts.changes_per_minute,
+                seed: opts.seed,
+                picker: mutator::TenantPicker::new(
+                    opts.tenants,
+                    opts.change_skew,
+                    opts.idle_tenants,
+                ),
+                change_log,
+            };
+            tokio::spawn(mutator::run(state.clone(), plan, cancel.clone()))
         });
         Ok(Simulator {
             state,
@@ -579,7 +655,9 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let opts = SimulatorOptions::from(args);
     let (tenants, vouchers, categories) = (opts.tenants, opts.vouchers, opts.categories);
-    let (rate_limit, changes) = (opts.rate_limit, opts.changes_per_minute);
+    let (rate_limit, rate_window, changes) =
+        (opts.rate_limit, opts.rate_window, opts.changes_per_minute);
+    let (change_skew, idle_tenants) = (opts.change_skew, opts.idle_tenants);
     let listing_fault = opts.listing_fault;
     let oversize = opts.oversize.len();
     let simulator = Simulator::start(opts).await?;
@@ -590,7 +668,10 @@ pub async fn run(
         vouchers,
         categories,
         rate_limit,
+        rate_window = %humantime::format_duration(rate_window),
         changes_per_minute = changes,
+        change_skew,
+        idle_tenants,
         ?listing_fault,
         oversize_records = oversize,
         "simulator serving the External Voucher API"

@@ -12,6 +12,7 @@ use rand::rngs::StdRng;
 
 use super::cursor::CursorCodec;
 use super::data;
+use super::journal::Journal;
 use super::model::RedemptionVoucher;
 use super::store::{RecordValue, TenantData};
 use super::{Fault, ListingFault, RequestLogEntry, SimulatorOptions};
@@ -110,6 +111,8 @@ pub struct Settings {
     fail_rate_bits: AtomicU64,
     latency_nanos: AtomicU64,
     rate_limit: AtomicU32,
+    /// The window the rate limit counts in.
+    pub rate_window: Duration,
     /// Whether 429 responses carry `Retry-After`.
     pub retry_after_header: bool,
 }
@@ -171,6 +174,8 @@ pub struct SimState {
     /// Listing faults by stream; the `None` key applies to every stream.
     listing_faults: RwLock<HashMap<Option<(TenantId, Resource)>, ListingFault>>,
     log: Mutex<VecDeque<RequestLogEntry>>,
+    /// Where every request is also journaled (`--request-log`), if anywhere.
+    pub request_journal: Option<Journal>,
     windows: Mutex<HashMap<(String, IpAddr), (Instant, u32)>>,
     rng: Mutex<StdRng>,
     redemption_key: [u8; 32],
@@ -196,6 +201,7 @@ impl SimState {
             fail_rate_bits: AtomicU64::new(0),
             latency_nanos: AtomicU64::new(0),
             rate_limit: AtomicU32::new(opts.rate_limit),
+            rate_window: opts.rate_window,
             retry_after_header: opts.retry_after_header,
         };
         settings.set_fail_rate(opts.fail_rate);
@@ -210,6 +216,7 @@ impl SimState {
             faults: Mutex::new(VecDeque::new()),
             listing_faults: RwLock::new(HashMap::new()),
             log: Mutex::new(VecDeque::new()),
+            request_journal: None,
             windows: Mutex::new(HashMap::new()),
             rng: Mutex::new(data::tenant_rng(opts.seed, 0, 1)),
             redemption_key: blake3::derive_key(
@@ -289,11 +296,6 @@ impl SimState {
         true
     }
 
-    /// Number of tenants.
-    pub fn tenant_count(&self) -> u64 {
-        self.tenants.len() as u64
-    }
-
     /// A tenant's data, None when unknown.
     pub fn tenant(&self, tenant: TenantId) -> Option<&RwLock<TenantData>> {
         let index = usize::try_from(tenant.checked_sub(1)?).ok()?;
@@ -315,14 +317,15 @@ impl SimState {
         read(&self.tokens).get(token).cloned()
     }
 
-    /// Charges a request to the (token, ip) window of the current minute.
+    /// Charges a request to the (token, ip) window open now (windows last
+    /// `rate_window` and open at their first request).
     pub fn charge(&self, fingerprint: &str, ip: IpAddr) -> RateDecision {
         let limit = self.settings.rate_limit();
         if limit == 0 {
             return RateDecision::Allowed;
         }
         let now = Instant::now();
-        let window = Duration::from_secs(60);
+        let window = self.settings.rate_window;
         let mut windows = lock(&self.windows);
         let entry = windows
             .entry((fingerprint.to_string(), ip))
@@ -538,5 +541,34 @@ mod tests {
         assert_eq!(state.charge("b", ip), RateDecision::Allowed);
         state.settings.set_rate_limit(0);
         assert_eq!(state.charge("a", ip), RateDecision::Allowed);
+    }
+
+    #[test]
+    fn the_rate_window_option_sets_how_long_a_window_counts() {
+        let window = Duration::from_millis(300);
+        let state = SimState::new(&SimulatorOptions {
+            tenants: 1,
+            vouchers: 1,
+            categories: 1,
+            rate_limit: 2,
+            rate_window: window,
+            ..SimulatorOptions::default()
+        });
+        let ip: IpAddr = "127.0.0.1".parse().unwrap();
+        let opened = Instant::now();
+        assert_eq!(state.charge("a", ip), RateDecision::Allowed);
+        assert_eq!(state.charge("a", ip), RateDecision::Allowed);
+        match state.charge("a", ip) {
+            RateDecision::Limited(reset) => assert!(reset <= window, "reset in {reset:?}"),
+            other => panic!("expected a limit, got {other:?}"),
+        }
+        std::thread::sleep(window.saturating_sub(opened.elapsed()) + Duration::from_millis(20));
+        assert_eq!(
+            state.charge("a", ip),
+            RateDecision::Allowed,
+            "a new window opened"
+        );
+        assert_eq!(state.charge("a", ip), RateDecision::Allowed);
+        assert!(matches!(state.charge("a", ip), RateDecision::Limited(_)));
     }
 }
