@@ -853,6 +853,29 @@ pub fn format_status(report: &StatusReport, now: DateTime<Utc>) -> String {
             Some(e) => out.push_str(&format!("sink {}: unhealthy: {e}\n", sink.name)),
         }
     }
+    for b in &report.budgets {
+        out.push_str(&format!(
+            "budget of token {}: {:.0} of {:.0} requests/min (learnt from 429s), {} used last window, \
+             waiting {} poll + {} full-sweep, full sweeps {:.0}% of recent requests (limit {:.0}%)\n",
+            b.token_id,
+            b.learnt_per_minute,
+            b.configured_per_minute,
+            b.used_last_window,
+            b.waiting_poll,
+            b.waiting_bulk,
+            b.full_sweep_share * 100.0,
+            b.full_sweep_share_limit * 100.0
+        ));
+    }
+    for s in &report.streams {
+        if let Some(late) = s.full_sweep_overdue_seconds {
+            details.push(format!(
+                "{} full sweep overdue by {} (the budget's full-sweep share does not fit poll.full_resync_interval)",
+                s.key(),
+                format_age(late)
+            ));
+        }
+    }
     for line in details {
         out.push_str(&line);
         out.push('\n');
@@ -924,6 +947,43 @@ mod tests {
                 "1/vouchers sweep in progress since {} (1m 35s ago), 340 records committed so far",
                 crate::event::format_time(started)
             )
+        );
+    }
+
+    #[test]
+    fn the_status_table_shows_each_tokens_budget_and_late_full_sweeps() {
+        let now = Utc::now();
+        let mut late = StreamStatus::from_state(
+            StreamKey::new(3, Resource::Categories),
+            &Default::default(),
+            now,
+        );
+        late.full_sweep_overdue_seconds = Some(125.0);
+        let report = StatusReport {
+            streams: vec![late],
+            sink: None,
+            budgets: vec![crate::planner::BudgetStatus {
+                token_id: "1a2b3c4d".into(),
+                configured_per_minute: 120.0,
+                learnt_per_minute: 84.0,
+                used_last_window: 80,
+                waiting_poll: 3,
+                waiting_bulk: 1,
+                full_sweep_share: 0.12,
+                full_sweep_share_limit: 0.25,
+            }],
+        };
+        let text = format_status(&report, now);
+        assert!(
+            text.contains(
+                "budget of token 1a2b3c4d: 84 of 120 requests/min (learnt from 429s), 80 used last \
+                 window, waiting 3 poll + 1 full-sweep, full sweeps 12% of recent requests (limit 25%)"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("3/categories full sweep overdue by 2m 5s"),
+            "{text}"
         );
     }
 

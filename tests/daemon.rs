@@ -491,3 +491,50 @@ async fn the_scheduler_step_sweeps_full_when_due_and_parks_then_unparks_a_refuse
     assert_eq!((state.parked, state.last_error), (None, None));
     assert_eq!(state.records_known, 20);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_the_adaptive_planner_status_shows_each_streams_plan_and_the_tokens_budget() {
+    let tenants = [1, 2];
+    let (_sim, _dir, config, daemon) = start_synced(2, &tenants, None).await;
+    let admin = daemon.admin_url.clone();
+    // The first turns are over once every stream has reported its sweep.
+    let deadline = std::time::Instant::now() + WAIT;
+    let status = loop {
+        let (_, status) = get_json(&format!("{admin}/v1/status")).await;
+        let planned = status["streams"]
+            .as_array()
+            .is_some_and(|s| s.len() == 4 && s.iter().all(|s| s["planner"].is_object()));
+        if planned {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no plan for every stream: {status}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    for stream in status["streams"].as_array().unwrap() {
+        let plan = &stream["planner"];
+        assert!(
+            ["resting", "waiting", "polling", "full_sweep"]
+                .contains(&plan["turn"].as_str().unwrap()),
+            "{plan}"
+        );
+        assert!(
+            plan["change_rate_per_minute"].as_f64().unwrap() > 0.0,
+            "{plan}"
+        );
+        assert!(plan["seconds_since_last_poll"].as_f64().is_some(), "{plan}");
+    }
+    let budgets = status["budgets"].as_array().expect("one budget per token");
+    assert_eq!(budgets.len(), 1, "{status}");
+    let budget = &budgets[0];
+    let configured = f64::from(config.config().upstream.requests_per_minute);
+    assert_eq!(budget["configured_per_minute"].as_f64(), Some(configured));
+    assert_eq!(
+        budget["learnt_per_minute"].as_f64(),
+        Some(configured),
+        "no 429 seen"
+    );
+    assert_eq!(budget["full_sweep_share_limit"].as_f64(), Some(0.25));
+}
