@@ -31,6 +31,7 @@ use crate::sinks::Sink;
 use crate::state::{ReplayState, StateStore, StreamState};
 use crate::stream::{Resource, StreamKey, TenantId};
 use crate::telemetry::{self, metric};
+use crate::upstream::ratelimit::RateBudget;
 
 /// How long `/readyz` waits for the sink's health check.
 const HEALTH_TIMEOUT: Duration = Duration::from_secs(3);
@@ -251,6 +252,8 @@ pub struct AdminState {
     pub metrics: PrometheusHandle,
     /// One planner per token (`poll.strategy = "adaptive"`; empty under `uniform`).
     pub planners: Vec<Planner>,
+    /// Every token's budget, with the token's fingerprint.
+    pub budgets: Vec<(String, Arc<RateBudget>)>,
 }
 
 /// An API error: status plus MessageError / ValidationError JSON.
@@ -463,10 +466,14 @@ async fn status(
         for status in streams.iter_mut().filter(|s| planned.contains(&s.key())) {
             let key = status.key();
             status.planner = planner.stream_status(key);
-            let resync = planner.settings().full_resync_interval;
+            // Late beyond a poll interval, and not because it fails or is parked.
+            let settings = planner.settings();
+            let slack = settings.full_resync_interval + settings.interval;
+            let healthy = status.parked.is_none() && status.last_error.is_none();
             status.full_sweep_overdue_seconds = status
                 .last_full_sweep_finished
-                .and_then(|at| chrono::Duration::from_std(resync).ok().map(|r| at + r))
+                .filter(|_| healthy)
+                .and_then(|at| chrono::Duration::from_std(slack).ok().map(|s| at + s))
                 .map(|due| (now - due).num_milliseconds() as f64 / 1000.0)
                 .filter(|late| *late > 0.0);
         }
@@ -475,7 +482,11 @@ async fn status(
     Ok(Json(StatusReport {
         streams,
         sink: Some(sink),
-        budgets: state.planners.iter().map(Planner::budget_status).collect(),
+        budgets: state
+            .budgets
+            .iter()
+            .map(|(token_id, budget)| BudgetStatus::of(token_id, budget))
+            .collect(),
     }))
 }
 

@@ -165,6 +165,18 @@ pub fn owned_streams(config: &Config) -> Result<Vec<StreamKey>, DaemonError> {
     Ok(streams)
 }
 
+/// Each token's budget once, with the token's fingerprint, in fingerprint order.
+fn token_budgets(clients: &HashMap<StreamKey, UpstreamClient>) -> Vec<(String, Arc<RateBudget>)> {
+    let mut budgets: Vec<(String, Arc<RateBudget>)> = Vec::new();
+    for client in clients.values() {
+        if !budgets.iter().any(|(_, b)| Arc::ptr_eq(b, client.budget())) {
+            budgets.push((client.token_id().to_string(), client.budget().clone()));
+        }
+    }
+    budgets.sort_by(|a, b| a.0.cmp(&b.0));
+    budgets
+}
+
 /// One planner per token budget under `poll.strategy = "adaptive"`.
 struct Planners {
     poll: PollConfig,
@@ -227,6 +239,8 @@ pub struct Components {
     pub sink_ended: CancellationToken,
     /// One planner per token (`poll.strategy = "adaptive"`).
     pub planners: Vec<Planner>,
+    /// Every token's budget, with the token's fingerprint.
+    pub budgets: Vec<(String, Arc<RateBudget>)>,
 }
 
 impl Components {
@@ -276,6 +290,7 @@ impl Components {
             runners,
             sink_ended,
             planners: planners.into_planners(),
+            budgets: token_budgets(&clients),
         })
     }
 
@@ -384,6 +399,7 @@ impl Daemon {
             token: admin_token,
             metrics: metrics.clone(),
             planners: components.planners.clone(),
+            budgets: components.budgets.clone(),
         });
         let admin_stop = CancellationToken::new();
         let admin_task = tokio::spawn(
@@ -394,6 +410,7 @@ impl Daemon {
             GAUGE_REFRESH,
             components.store.clone(),
             components.streams.clone(),
+            components.budgets.clone(),
             metrics,
         ));
         info!(admin = %admin_addr, streams = components.streams.len(),
@@ -539,6 +556,7 @@ async fn refresh_gauges_every(
     period: Duration,
     store: Arc<dyn StateStore>,
     streams: Vec<StreamKey>,
+    budgets: Vec<(String, Arc<RateBudget>)>,
     metrics: PrometheusHandle,
 ) {
     let mut ticker = tokio::time::interval(period);
@@ -546,6 +564,9 @@ async fn refresh_gauges_every(
     loop {
         ticker.tick().await;
         crate::telemetry::refresh_stream_gauges(store.as_ref(), &streams);
+        for (token_id, budget) in &budgets {
+            crate::planner::record_budget_gauges(budget, token_id);
+        }
         metrics.run_upkeep();
     }
 }

@@ -1,5 +1,7 @@
-//! Keeps every stream sweeping on its own timer: one task per stream,
-//! jittered incremental sweeps every `poll.interval`, a full sweep when the
+//! Keeps every stream sweeping: one task per stream, incremental sweeps at
+//! most every `poll.interval` (on the stream's own jittered timer under
+//! `poll.strategy = "uniform"`, or when the token's planner gives the stream
+//! its turn under `"adaptive"`, see `crate::planner`), a full sweep when the
 //! last one is older than `poll.full_resync_interval`, parking on 401/403/404
 //! with a slower re-check, replay requests that wake the stream at once, and a
 //! bounded graceful stop.
@@ -429,6 +431,10 @@ impl StreamRunner {
                 failures = 0;
             }
             delay = next_delay(&outcome, &self.timing, rand::random::<f64>());
+            if self.planner.is_some() && outcome.is_ok() {
+                // Under the planner `poll.interval` is a floor: never jittered below it.
+                delay = delay.max(self.timing.interval);
+            }
         }
     }
 }

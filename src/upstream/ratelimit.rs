@@ -115,6 +115,8 @@ struct Learnt {
     changed_at: Instant,
     /// When the last 429 lowered it.
     lowered_at: Option<Instant>,
+    /// When the last 429 came (lowering or not): no raise within a window of it.
+    limited_at: Option<Instant>,
 }
 
 /// Grant counts, for the bulk share and the requests used per window.
@@ -153,19 +155,24 @@ pub struct BudgetState {
     pub bulk_share_limit: f64,
 }
 
-/// Counts a waiting request of one lane while it lives.
-struct Waiting<'a>(&'a AtomicUsize);
+/// Counts a waiting request of one lane while it lives; when it goes (granted
+/// or given up), waiting bulk requests look again.
+struct Waiting<'a> {
+    counter: &'a AtomicUsize,
+    changed: &'a Notify,
+}
 
 impl<'a> Waiting<'a> {
-    fn enter(counter: &'a AtomicUsize) -> Self {
+    fn enter(counter: &'a AtomicUsize, changed: &'a Notify) -> Self {
         counter.fetch_add(1, Ordering::SeqCst);
-        Self(counter)
+        Self { counter, changed }
     }
 }
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        self.counter.fetch_sub(1, Ordering::SeqCst);
+        self.changed.notify_waiters();
     }
 }
 
@@ -237,6 +244,7 @@ impl RateBudget {
                 requests,
                 changed_at: now,
                 lowered_at: None,
+                limited_at: None,
             }),
             grants: StdMutex::new(Grants {
                 poll: 0.0,
@@ -256,6 +264,17 @@ impl RateBudget {
         paced_spacing(requests, window)
             .and_then(Quota::with_period)
             .map(|quota| Arc::new(RateLimiter::new(quota, InMemoryState::default(), clock)))
+    }
+
+    /// Replaces the limiter after the learnt rate changed. The new limiter's
+    /// first cell is spent at once: a request just granted by the old one
+    /// must not be followed back-to-back by one the new one lets through.
+    fn repace(&self, requests: u32) {
+        let limiter = Self::limiter(requests, self.window, self.clock);
+        if let Some(limiter) = &limiter {
+            let _ = limiter.check();
+        }
+        *lock(&self.limiter) = limiter;
     }
 
     /// Limits full-sweep pages to `share` (0 to 1) of the budget while polls wait.
@@ -302,10 +321,13 @@ impl RateBudget {
     ///
     /// Cancel-safe: dropping the future gives the place in the queue up.
     pub async fn acquire_in(&self, lane: Lane) {
-        let _waiting = Waiting::enter(match lane {
-            Lane::Poll => &self.waiting_poll,
-            Lane::Bulk => &self.waiting_bulk,
-        });
+        let _waiting = Waiting::enter(
+            match lane {
+                Lane::Poll => &self.waiting_poll,
+                Lane::Bulk => &self.waiting_bulk,
+            },
+            &self.granted,
+        );
         if lane == Lane::Bulk {
             loop {
                 let granted = self.granted.notified();
@@ -388,7 +410,7 @@ impl RateBudget {
         let raised = {
             let mut learnt = lock(&self.learnt);
             let quiet = learnt
-                .lowered_at
+                .limited_at
                 .is_none_or(|at| now.saturating_duration_since(at) >= self.window);
             if learnt.requests >= self.requests
                 || !quiet
@@ -401,7 +423,7 @@ impl RateBudget {
             learnt.changed_at = now;
             learnt.requests
         };
-        *lock(&self.limiter) = Self::limiter(raised, self.window, self.clock);
+        self.repace(raised);
         tracing::debug!(
             requests = raised,
             "no 429 for a window: learnt budget raised"
@@ -419,6 +441,7 @@ impl RateBudget {
         let now = Instant::now();
         let lowered = {
             let mut learnt = lock(&self.learnt);
+            learnt.limited_at = Some(now);
             if learnt
                 .lowered_at
                 .is_some_and(|at| now.saturating_duration_since(at) < self.window)
@@ -431,7 +454,7 @@ impl RateBudget {
             learnt.lowered_at = Some(now);
             lowered
         };
-        *lock(&self.limiter) = Self::limiter(lowered, self.window, self.clock);
+        self.repace(lowered);
         tracing::info!(
             requests = lowered,
             configured = self.requests,
@@ -540,6 +563,67 @@ mod tests {
         assert_eq!(budget.learnt_requests(), 60, "87 x 0.7");
         assert_eq!(budget.observable_state().learnt, 60);
         assert_eq!(budget.observable_state().configured, 120);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_new_learnt_rate_never_lets_two_requests_through_back_to_back() {
+        let budget = RateBudget::new(120);
+        budget.acquire().await;
+        let granted = Instant::now();
+        budget.rate_limited();
+        budget.acquire().await;
+        assert!(
+            granted.elapsed() >= budget.spacing().unwrap(),
+            "the request after a rate change waited {:?}",
+            granted.elapsed()
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_window_with_429s_is_not_quiet_even_when_they_no_longer_lower_the_rate() {
+        let budget = RateBudget::new(120);
+        budget.rate_limited();
+        assert_eq!(budget.learnt_requests(), 84);
+        // 429s keep coming every 40 s: none lowers again within its window,
+        // but none of the windows is quiet either.
+        for _ in 0..5 {
+            tokio::time::advance(Duration::from_secs(40)).await;
+            budget.rate_limited();
+            budget.acquire().await;
+        }
+        assert!(
+            budget.learnt_requests() <= 84,
+            "{}",
+            budget.learnt_requests()
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_bulk_request_goes_as_soon_as_the_last_waiting_poll_gives_up() {
+        let budget = Arc::new(RateBudget::new(120));
+        budget.set_bulk_share(0.25);
+        // Bulk has had every recent grant, so it waits while a poll waits.
+        for _ in 0..10 {
+            budget.acquire_in(Lane::Bulk).await;
+        }
+        let poll = {
+            let budget = budget.clone();
+            tokio::spawn(async move {
+                budget.acquire_in(Lane::Poll).await;
+                std::future::pending::<()>().await;
+            })
+        };
+        tokio::task::yield_now().await;
+        let bulk = {
+            let budget = budget.clone();
+            tokio::spawn(async move { budget.acquire_in(Lane::Bulk).await })
+        };
+        tokio::task::yield_now().await;
+        poll.abort();
+        tokio::time::timeout(Duration::from_secs(5), bulk)
+            .await
+            .expect("the bulk request was woken")
+            .unwrap();
     }
 
     #[tokio::test(start_paused = true)]
