@@ -19,7 +19,8 @@ cd "$(dirname "$0")/.."
 
 MINUTES=8
 STRATEGIES="uniform,adaptive"
-DRAIN=120
+# Longer than poll.max_interval (5m), so no change is cut off by the end of the run.
+DRAIN=360
 TENANTS=200
 VOUCHERS=100
 CATEGORIES=5
@@ -76,8 +77,8 @@ cleanup() {
     kill "$pid" 2>/dev/null || true
   done
   for pid in "${pids[@]}"; do
-    # Bounded: a bridge gets its shutdown_timeout, then SIGKILL.
-    for _ in $(seq 1 50); do
+    # Bounded: a bridge gets its shutdown_timeout (30 s) and a little more, then SIGKILL.
+    for _ in $(seq 1 175); do
       kill -0 "$pid" 2>/dev/null || break
       sleep 0.2
     done
