@@ -10,6 +10,7 @@
 #
 #   bash scripts/bench-freshness.sh [--minutes M] [--strategies uniform,adaptive]
 #                                   [--drain S] [--tenants N] [--keep]
+#                                   [--max-interval D]   (adaptive's poll.max_interval, default 5m)
 #
 # Everything listens on 127.0.0.1 only; every process it starts is killed on
 # exit; the whole run is bounded (initial sync timeout + window + drain).
@@ -26,6 +27,7 @@ VOUCHERS=100
 CATEGORIES=5
 SYNC_TIMEOUT=900
 KEEP=0
+MAX_INTERVAL=5m
 
 usage() {
   sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
@@ -39,6 +41,7 @@ while [ $# -gt 0 ]; do
     --tenants) TENANTS="${2:?--tenants needs a value}"; shift 2 ;;
     --sync-timeout) SYNC_TIMEOUT="${2:?--sync-timeout needs a value}"; shift 2 ;;
     --keep) KEEP=1; shift ;;
+    --max-interval) MAX_INTERVAL="${2:?--max-interval needs a value}"; shift 2 ;;
     -h | --help) usage; exit 0 ;;
     *) echo "error: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -117,7 +120,7 @@ write_config() {
     printf '[upstream]\nbase_url = "%s"\ntoken = "sim-token"\nrequests_per_minute = 120\n\n' "$base_url"
     printf '[poll]\ninterval = "30s"\n'
     if [ "$with_planner_keys" -eq 1 ]; then
-      printf 'max_interval = "5m"\nstrategy = "%s"\n' "$strategy"
+      printf 'max_interval = "%s"\nstrategy = "%s"\n' "$MAX_INTERVAL" "$strategy"
     fi
     printf '\n[state]\npath = "%s/state"\n\n' "$dir"
     printf '[sink]\nkind = "file"\n\n[sink.file]\npath = "%s/events.jsonl"\n\n' "$dir"
