@@ -117,11 +117,23 @@ pub async fn spawn_daemon_with_sink(
         .map(Path::to_path_buf)
         .unwrap_or_default();
     let config = config.config();
-    let daemon = match sink {
-        Some(sink) => Daemon::build_with_sink(&config, sink).await,
-        None => Daemon::build(&config).await,
-    }
-    .expect("daemon starts");
+    // A store another handle of this test process just dropped may still be
+    // locked for a moment while sled's background threads let go of it.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let daemon = loop {
+        let built = match &sink {
+            Some(sink) => Daemon::build_with_sink(&config, sink.clone()).await,
+            None => Daemon::build(&config).await,
+        };
+        match built {
+            Err(voucher_cdc::daemon::DaemonError::State(
+                voucher_cdc::state::StateError::Locked { .. },
+            )) if std::time::Instant::now() < deadline => {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            built => break built.expect("daemon starts"),
+        }
+    };
     let admin_url = daemon.admin_url();
     TestDaemon {
         handle: Some(daemon.spawn(std::future::pending::<()>())),
