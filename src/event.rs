@@ -516,4 +516,108 @@ mod tests {
         );
         assert_eq!(updated_at_micros(""), None);
     }
+
+    fn change(op: Op, data: &RawValue) -> RecordChange<'_> {
+        RecordChange {
+            stream: StreamKey::new(7, Resource::Vouchers),
+            record_id: 9,
+            generation: 0,
+            seq: 1,
+            op,
+            updated_at: Some("2024-05-01T10:00:00Z"),
+            content_hash: ContentHash([3; 16]),
+            previous_hash: None,
+            replay: None,
+            data,
+            detected_at: DateTime::from_timestamp(1_714_600_000, 0).unwrap_or_default(),
+        }
+    }
+
+    #[test]
+    fn only_a_deleted_record_event_is_a_delete() {
+        let data = RawValue::from_string(r#"{"id":9}"#.to_string()).unwrap();
+        let delete = record_event(&change(Op::Delete, &data));
+        assert!(delete.is_delete());
+        assert_eq!(delete.ty.as_str(), "voucher.deleted");
+        for op in [Op::Create, Op::Update, Op::Snapshot] {
+            let event = record_event(&change(op, &data));
+            assert!(!event.is_delete(), "{op:?}");
+            assert_eq!(event.ty.as_str(), "voucher.updated");
+        }
+        let started = replay_event(
+            StreamKey::new(7, Resource::Vouchers),
+            "0123456789abcdef0123456789abcdef",
+            None,
+            false,
+            0,
+            Utc::now(),
+        );
+        assert!(!started.is_delete());
+    }
+
+    fn event_time(event: &Event) -> String {
+        let doc: serde_json::Value = serde_json::from_slice(&event.payload).unwrap();
+        doc["time"].as_str().unwrap_or_default().to_string()
+    }
+
+    #[test]
+    fn an_unreadable_updated_at_is_counted_and_the_event_takes_the_detection_time() {
+        let data = RawValue::from_string(r#"{"id":9}"#.to_string()).unwrap();
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let (unreadable, deleted) = metrics::with_local_recorder(&recorder, || {
+            let unreadable = record_event(&RecordChange {
+                updated_at: Some("yesterday"),
+                ..change(Op::Update, &data)
+            });
+            // A delete never reads `updated_at`, so it is not counted.
+            let deleted = record_event(&RecordChange {
+                updated_at: Some("yesterday"),
+                ..change(Op::Delete, &data)
+            });
+            (unreadable, deleted)
+        });
+        assert_eq!(event_time(&unreadable), "2024-05-01T21:46:40.000000Z");
+        assert_eq!(event_time(&deleted), "2024-05-01T21:46:40.000000Z");
+        let rendered = handle.render();
+        let line = rendered
+            .lines()
+            .find(|l| l.starts_with(crate::telemetry::metric::UNREADABLE_UPDATED_AT))
+            .unwrap_or_default();
+        assert!(line.ends_with(" 1"), "{rendered}");
+        // A readable one is the event's time as written.
+        let readable = record_event(&change(Op::Update, &data));
+        assert_eq!(event_time(&readable), "2024-05-01T10:00:00Z");
+    }
+
+    #[test]
+    fn a_record_event_carries_every_cloudevents_attribute() {
+        let data = RawValue::from_string(r#"{"id":9}"#.to_string()).unwrap();
+        let event = record_event(&RecordChange {
+            previous_hash: Some(ContentHash([4; 16])),
+            ..change(Op::Update, &data)
+        });
+        assert_eq!(event.partition_key, "7:voucher:9");
+        assert_eq!(event.op, Some(Op::Update));
+        assert_eq!(event.stream, StreamKey::new(7, Resource::Vouchers));
+        let doc: serde_json::Value = serde_json::from_slice(&event.payload).unwrap();
+        assert_eq!(
+            doc,
+            serde_json::json!({
+                "specversion": "1.0",
+                "id": event.id,
+                "source": "/tenants/7/catalog/vouchers",
+                "type": "voucher.updated",
+                "subject": "9",
+                "time": "2024-05-01T10:00:00Z",
+                "datacontenttype": "application/json",
+                "partitionkey": "7:voucher:9",
+                "tenant": 7,
+                "op": "update",
+                "contenthash": "03030303030303030303030303030303",
+                "previoushash": "04040404040404040404040404040404",
+                "data": {"id": 9},
+            })
+        );
+    }
 }

@@ -678,6 +678,44 @@ mod tests {
     }
 
     #[test]
+    fn keys_sharing_their_first_eight_bytes_are_ordered_by_the_key_alone() {
+        // The eight-byte prefixes tie, so the reorder compares whole keys; a
+        // key that is a prefix of another sorts first, whatever byte follows
+        // (`!` sorts before the closing quote of the shorter key).
+        assert_eq!(
+            canonical(r#"{"abcdefgh!":1,"abcdefgh":2}"#),
+            r#"{"abcdefgh":2,"abcdefgh!":1}"#
+        );
+        assert_eq!(
+            canonical(r#"{"b":0,"abcdefgh":2,"abcdefgh!":1}"#),
+            r#"{"abcdefgh":2,"abcdefgh!":1,"b":0}"#
+        );
+        assert_eq!(
+            canonical(r#"{"abcdefghj":1,"abcdefghi":2,"abcdefgh":3}"#),
+            r#"{"abcdefgh":3,"abcdefghi":2,"abcdefghj":1}"#
+        );
+    }
+
+    #[test]
+    fn scratch_buffers_are_kept_after_small_records_and_dropped_after_huge_ones() {
+        let mut scratch = Scratch::default();
+        let small = r#"{"b":[1,2],"a":"x"}"#;
+        let len = canonicalize_then(&mut scratch, small, &IgnoreKeys::none(), |b| b.len());
+        assert_eq!(len.unwrap(), small.len());
+        assert!(scratch.out.capacity() > 0);
+        assert!(scratch.reorder.capacity() > 0);
+        assert!(scratch.members.capacity() > 0);
+        // Over 1 MiB of output and reorder copy, over 64 Ki members.
+        let members: Vec<String> = (0..120_000).rev().map(|i| format!("\"k{i}\":1")).collect();
+        let huge = format!("{{{}}}", members.join(","));
+        let len = canonicalize_then(&mut scratch, &huge, &IgnoreKeys::none(), |b| b.len());
+        assert_eq!(len.unwrap(), huge.len());
+        assert_eq!(scratch.out.capacity(), 0);
+        assert_eq!(scratch.reorder.capacity(), 0);
+        assert_eq!(scratch.members.capacity(), 0);
+    }
+
+    #[test]
     fn equal_numbers_in_any_notation_hash_the_same() {
         let forms = [
             "25", "25.0", "25.00", "2.5e1", "2.5E+1", "250e-1", "0.25e2", "25000e-3",
@@ -822,6 +860,19 @@ mod tests {
         assert_eq!(
             error(&deep),
             "invalid json at byte 128: nesting deeper than 128 levels"
+        );
+    }
+
+    #[test]
+    fn exactly_128_levels_of_arrays_or_objects_are_accepted() {
+        let arrays = "[".repeat(128) + &"]".repeat(128);
+        assert_eq!(canonical(&arrays), arrays);
+        let objects = r#"{"a":"#.repeat(128) + "1" + &"}".repeat(128);
+        assert_eq!(canonical(&objects), objects);
+        let too_deep = r#"{"a":"#.repeat(129) + "1" + &"}".repeat(129);
+        assert_eq!(
+            error(&too_deep),
+            "invalid json at byte 640: nesting deeper than 128 levels"
         );
     }
 

@@ -177,6 +177,13 @@ mod tests {
     }
 
     #[test]
+    fn an_ignore_set_is_empty_only_without_keys() {
+        assert!(IgnoreKeys::none().is_empty());
+        assert!(IgnoreKeys::new(Vec::<String>::new()).is_empty());
+        assert!(!IgnoreKeys::new(["updated_at"]).is_empty());
+    }
+
+    #[test]
     fn truncated_keeps_the_first_sixteen_bytes_of_the_digest() {
         let digest = blake3::hash(b"voucher-cdc");
         assert_eq!(truncated(&digest)[..], digest.as_bytes()[..16]);

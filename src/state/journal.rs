@@ -174,6 +174,22 @@ mod tests {
     }
 
     #[test]
+    fn a_removed_id_is_forgotten_so_removing_it_again_plans_nothing() {
+        let mut journal = StreamJournal::default();
+        let (plan, _) = journal.plan_append(&[(1, intent(1)), (2, intent(2))]);
+        journal.apply(&plan);
+        let plan = journal.plan_removal([1].into_iter());
+        assert_eq!(plan.changes.get(&0), Some(&Some(vec![(2, intent(2))])));
+        journal.apply(&plan);
+        assert!(journal.plan_removal([1].into_iter()).changes.is_empty());
+        let plan = journal.plan_removal([2].into_iter());
+        assert_eq!(plan.changes.get(&0), Some(&None));
+        journal.apply(&plan);
+        assert!(journal.plan_removal([1, 2].into_iter()).changes.is_empty());
+        assert!(journal.pending().is_empty());
+    }
+
+    #[test]
     fn loading_duplicated_ids_keeps_the_newest_and_plans_the_cleanup() {
         let (journal, plan) = StreamJournal::load(vec![
             (3, vec![(1, intent(1)), (2, intent(2))]),
