@@ -620,4 +620,15 @@ mod tests {
             })
         );
     }
+
+    #[test]
+    fn a_records_path_is_its_single_record_api_path() {
+        let stream = StreamKey::new(42, Resource::Vouchers);
+        assert_eq!(
+            record_path(stream, "123"),
+            "/tenants/42/catalog/vouchers/123"
+        );
+        let stream = StreamKey::new(7, Resource::Categories);
+        assert_eq!(record_path(stream, "5"), "/tenants/7/catalog/categories/5");
+    }
 }

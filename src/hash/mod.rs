@@ -192,4 +192,19 @@ mod tests {
             ContentHash(truncated(&blake3::hash(b"[]")))
         );
     }
+
+    #[test]
+    fn zero_is_written_without_a_sign_whatever_sign_the_record_gave_it() {
+        let mut out = Vec::new();
+        canonical_json(
+            r#"{"a":0,"b":-0,"c":[0,-1]}"#,
+            &IgnoreKeys::new(["x"]),
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            r#"{"a":0,"b":0,"c":[0,-1]}"#
+        );
+    }
 }
