@@ -759,7 +759,22 @@ mod tests {
     }
 
     fn open(dir: &tempfile::TempDir) -> SledStore {
-        SledStore::open(&dir.path().join("state")).unwrap()
+        reopen(&dir.path().join("state")).unwrap()
+    }
+
+    /// Opens the store at `path`, waiting (up to 10 s) while a handle this
+    /// test just dropped still holds its lock: sled's background threads let
+    /// go of the file a moment after the drop, later on a loaded machine.
+    fn reopen(path: &Path) -> Result<SledStore, StateError> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            match SledStore::open(path) {
+                Err(StateError::Locked { .. }) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                opened => return opened,
+            }
+        }
     }
 
     #[test]
@@ -1216,7 +1231,7 @@ mod tests {
         child.kill().unwrap();
         child.wait().unwrap();
 
-        let store = SledStore::open(&path).unwrap();
+        let store = reopen(&path).unwrap();
         let ids: Vec<i64> = (0..CHILD_PAGE).collect();
         let records = store.get_records(VOUCHERS, &ids).unwrap();
         let epochs: std::collections::BTreeSet<u64> = records
@@ -1235,7 +1250,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("state");
         {
-            let store = SledStore::open(&path).unwrap();
+            let store = reopen(&path).unwrap();
             // A layout 1 bucket: one record (flags 1, hash, updated_at, epoch 3, generation 2)
             // and a layout 1 journal entry (one intent without op, previous or replay).
             let mut bucket = vec![0, 0, 0, 0b10];
@@ -1263,7 +1278,7 @@ mod tests {
             store.flush().unwrap();
             std::fs::write(path.join(LAYOUT_MARKER), "layout_version = 1\n").unwrap();
         }
-        let store = SledStore::open(&path).unwrap();
+        let store = reopen(&path).unwrap();
         let record = store.get_records(VOUCHERS, &[1]).unwrap()[0].unwrap();
         assert_eq!(
             record,
@@ -1296,7 +1311,7 @@ mod tests {
             "layout_version = 2\n"
         );
         drop(store);
-        assert!(SledStore::open(&path).is_ok(), "reopens as layout 2");
+        assert!(reopen(&path).is_ok(), "reopens as layout 2");
     }
 
     #[test]
@@ -1304,14 +1319,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("state");
         {
-            let store = SledStore::open(&path).unwrap();
+            let store = reopen(&path).unwrap();
             store
                 .meta
                 .insert(META_LAYOUT_VERSION, &7u32.to_be_bytes())
                 .unwrap();
             store.flush().unwrap();
         }
-        let err = SledStore::open(&path).unwrap_err();
+        let err = reopen(&path).unwrap_err();
         assert_eq!(
             err.to_string(),
             format!(
@@ -1322,7 +1337,7 @@ mod tests {
         );
         // A marker naming an unknown layout is refused before sled even opens.
         std::fs::write(path.join(LAYOUT_MARKER), "layout_version = 9\n").unwrap();
-        let err = SledStore::open(&path).unwrap_err();
+        let err = reopen(&path).unwrap_err();
         assert!(
             matches!(err, StateError::UnsupportedVersion { found: 9, .. }),
             "{err}"
@@ -1351,7 +1366,7 @@ mod tests {
         std::fs::create_dir_all(&path).unwrap();
         std::fs::write(path.join("db"), vec![0xAB; 4096]).unwrap();
         std::fs::write(path.join("conf"), vec![0x17; 64]).unwrap();
-        let err = SledStore::open(&path).unwrap_err();
+        let err = reopen(&path).unwrap_err();
         assert!(matches!(err, StateError::Corrupt { .. }), "{err:?}");
         assert!(err
             .to_string()
@@ -1363,7 +1378,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("state");
         {
-            let store = SledStore::open(&path).unwrap();
+            let store = reopen(&path).unwrap();
             store
                 .commit_records(VOUCHERS, &[(1, record(1, 0))], &[], 0)
                 .unwrap();
@@ -1376,7 +1391,7 @@ mod tests {
             .map(|b| b ^ 0x5a)
             .collect();
         std::fs::write(&db, garbage).unwrap();
-        let err = SledStore::open(&path).unwrap_err();
+        let err = reopen(&path).unwrap_err();
         assert!(matches!(err, StateError::Corrupt { .. }), "{err:?}");
         assert!(err.to_string().contains("lost its contents"), "{err}");
     }
