@@ -173,8 +173,6 @@ pub struct StreamPlan {
     pub cost: f64,
     /// Smoothed time between two polls.
     pub period: Option<Duration>,
-    /// Sweeps granted so far.
-    pub grants: u64,
     /// Start of the last periodic full sweep it completed under this planner.
     pub last_full: Option<Instant>,
 }
@@ -189,7 +187,6 @@ impl StreamPlan {
             rate: RateEstimate::new(),
             cost: 1.0,
             period: None,
-            grants: 0,
             last_full: None,
         }
     }
@@ -373,7 +370,6 @@ impl PlannerCore {
         if let Some(plan) = self.streams.get_mut(&key) {
             plan.running = Some(grant);
             plan.ready_at = None;
-            plan.grants += 1;
             self.granted.insert(key, grant);
         }
     }
@@ -430,16 +426,6 @@ impl Planner {
             budget,
             token_id,
         }
-    }
-
-    /// The token's budget.
-    pub fn budget(&self) -> &Arc<RateBudget> {
-        &self.budget
-    }
-
-    /// The token's fingerprint.
-    pub fn token_id(&self) -> &str {
-        &self.token_id
     }
 
     /// The settings it plans with.
@@ -620,20 +606,20 @@ impl Planner {
 
 /// Sets a token budget's gauges (`token_id` its fingerprint).
 pub fn record_budget_gauges(budget: &RateBudget, token_id: &str) {
-    let state = budget.observable_state();
-    let per_minute = |requests: u32| f64::from(requests) * 60.0 / state.window_seconds.max(1e-9);
-    let token = token_id.to_string();
+    let status = BudgetStatus::of(token_id, budget);
+    let token = status.token_id;
     metrics::gauge!(metric::BUDGET_REQUESTS_PER_MINUTE, "token_id" => token.clone(), "kind" => "configured")
-        .set(per_minute(state.configured));
+        .set(status.configured_per_minute);
     metrics::gauge!(metric::BUDGET_REQUESTS_PER_MINUTE, "token_id" => token.clone(), "kind" => "learnt")
-        .set(per_minute(state.learnt));
+        .set(status.learnt_per_minute);
     metrics::gauge!(metric::BUDGET_USED, "token_id" => token.clone())
-        .set(f64::from(state.used_last_window));
+        .set(f64::from(status.used_last_window));
     metrics::gauge!(metric::BUDGET_WAITING, "token_id" => token.clone(), "lane" => "poll")
-        .set(state.waiting_poll as f64);
+        .set(status.waiting_poll as f64);
     metrics::gauge!(metric::BUDGET_WAITING, "token_id" => token.clone(), "lane" => "bulk")
-        .set(state.waiting_bulk as f64);
-    metrics::gauge!(metric::BUDGET_FULL_SWEEP_SHARE, "token_id" => token).set(state.bulk_share);
+        .set(status.waiting_bulk as f64);
+    metrics::gauge!(metric::BUDGET_FULL_SWEEP_SHARE, "token_id" => token)
+        .set(status.full_sweep_share);
 }
 
 #[cfg(test)]
