@@ -37,14 +37,39 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::stream::StreamKey;
+use crate::stream::{Resource, StreamKey};
 use crate::telemetry::metric;
 use crate::upstream::ratelimit::RateBudget;
 
 /// Rank of a stream past the staleness cap (first).
-const TIER_OVERDUE: u8 = 2;
+const TIER_OVERDUE: u8 = 3;
 /// Rank of a first sync or replay (second).
-const TIER_SNAPSHOT: u8 = 1;
+const TIER_SNAPSHOT: u8 = 2;
+/// Rank of a stream due by its bound (third): past the tail guard, or a quiet
+/// stream near the cap; earliest deadline first.
+const TIER_DUE: u8 = 1;
+
+/// The tail guard, as a share of the round a uniform schedule takes (every
+/// stream's poll cost at the token's learnt budget): a stream that may change
+/// waits at most this long between polls, so its changes wait no longer than
+/// uniform polling would make them wait (with a margin for the lanes).
+pub const TAIL_GUARD_SHARE: f64 = 0.9;
+
+/// A stream is quiet while the evidence says it changes less than this many
+/// times per `poll.max_interval`.
+const QUIET_CHANGES_PER_CAP: f64 = 0.1;
+
+/// A stream is quiet only while its short-memory change count is below this:
+/// no change in its last four polls.
+const QUIET_OWN_CHANGES: f64 = 0.1;
+
+/// A quiet stream is due from this share of `poll.max_interval` on (ordered
+/// by its deadline behind the streams past the guard), so quiet streams that
+/// synced together do not all reach the cap in the same second.
+const QUIET_LEAD: f64 = 0.8;
+
+/// Half-life of the long-memory rates that decide what is quiet.
+const LONG_HALF_LIFE: Duration = Duration::from_secs(3600);
 
 /// Poll lanes of a limited budget: enough to keep the budget busy while one
 /// poll waits for the network, few enough that the planner's order decides.
@@ -156,6 +181,39 @@ impl RateEstimate {
     }
 }
 
+/// A change rate with a long memory (halved every [`LONG_HALF_LIFE`]): of
+/// one stream, or of one resource pooled over all of a token's streams, to
+/// tell a quiet stream from one that merely has not changed lately.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LongRate {
+    changes: f64,
+    seconds: f64,
+    at: Option<Instant>,
+}
+
+impl LongRate {
+    fn new() -> Self {
+        Self {
+            changes: 0.0,
+            seconds: 0.0,
+            at: None,
+        }
+    }
+
+    /// Adds `changes` seen over `window`, at `now`.
+    fn observe(&mut self, changes: u64, window: Duration, now: Instant) {
+        if let Some(at) = self.at {
+            let elapsed = now.saturating_duration_since(at).as_secs_f64();
+            let decay = 0.5f64.powf(elapsed / LONG_HALF_LIFE.as_secs_f64());
+            self.changes *= decay;
+            self.seconds *= decay;
+        }
+        self.changes += changes as f64;
+        self.seconds += window.as_secs_f64();
+        self.at = Some(now);
+    }
+}
+
 /// What the planner knows of one stream (see [`PlannerCore::streams`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StreamPlan {
@@ -175,6 +233,8 @@ pub struct StreamPlan {
     pub period: Option<Duration>,
     /// Start of the last periodic full sweep it completed under this planner.
     pub last_full: Option<Instant>,
+    /// Its change rate with a long memory, to tell whether it is quiet.
+    pub long: LongRate,
 }
 
 impl StreamPlan {
@@ -188,6 +248,7 @@ impl StreamPlan {
             cost: 1.0,
             period: None,
             last_full: None,
+            long: LongRate::new(),
         }
     }
 }
@@ -199,6 +260,10 @@ pub struct PlannerCore {
     streams: BTreeMap<StreamKey, StreamPlan>,
     /// Grants made but not yet picked up by their stream, by stream.
     granted: BTreeMap<StreamKey, Grant>,
+    /// Each resource's long-memory rate, pooled over the streams.
+    pools: BTreeMap<Resource, LongRate>,
+    /// Requests a second the budget paces (learnt); None when unlimited.
+    paced_per_second: Option<f64>,
 }
 
 impl PlannerCore {
@@ -208,6 +273,56 @@ impl PlannerCore {
             settings,
             streams: BTreeMap::new(),
             granted: BTreeMap::new(),
+            pools: BTreeMap::new(),
+            paced_per_second: None,
+        }
+    }
+
+    /// The budget now paces `per_second` requests a second (None: unlimited).
+    pub fn set_paced_rate(&mut self, per_second: Option<f64>) {
+        self.paced_per_second = per_second.filter(|r| r.is_finite() && *r > 0.0);
+    }
+
+    /// The tail guard: how long a stream that may change waits at most
+    /// between polls ([`TAIL_GUARD_SHARE`] of the round a uniform schedule of
+    /// every stream would take at the paced budget), between the floor and
+    /// the cap; None when the budget is unlimited.
+    pub fn tail_guard(&self) -> Option<Duration> {
+        let per_second = self.paced_per_second?;
+        let round: f64 = self.streams.values().map(|p| p.cost.max(1.0)).sum::<f64>() / per_second;
+        let guard = Duration::try_from_secs_f64(round * TAIL_GUARD_SHARE).ok()?;
+        Some(guard.clamp(self.settings.interval, self.settings.max_interval))
+    }
+
+    /// The stream is quiet: the evidence says it changes less than once per
+    /// 10 x `poll.max_interval`, and it saw no change in its last polls. The
+    /// evidence is its own long-memory rate under an empirical prior, its
+    /// resource's rate pooled over the token (one pseudo-change over the time
+    /// the pool needs for one change): 200 silent category streams make every
+    /// category stream quiet at once, one silent voucher stream among busy
+    /// ones needs a long silence of its own. A quiet stream is held only to
+    /// the staleness cap, not to the tail guard.
+    pub fn is_quiet(&self, key: StreamKey) -> bool {
+        let (Some(pool), Some(plan)) = (self.pools.get(&key.resource), self.streams.get(&key))
+        else {
+            return false;
+        };
+        if plan.rate.changes >= QUIET_OWN_CHANGES {
+            return false;
+        }
+        let cap = self.settings.max_interval.as_secs_f64().max(1.0);
+        // The pool's rate per stream, from a neutral prior of one change per cap.
+        let pool_rate = (pool.changes + 1.0) / (pool.seconds + cap);
+        let prior_seconds = 1.0 / pool_rate;
+        let rate = (1.0 + plan.long.changes) / (prior_seconds + plan.long.seconds);
+        rate * cap < QUIET_CHANGES_PER_CAP
+    }
+
+    /// The longest `key` may go unpolled now: the tail guard, or the cap for a quiet stream.
+    pub fn poll_bound(&self, key: StreamKey) -> Duration {
+        match self.tail_guard() {
+            Some(guard) if !self.is_quiet(key) => guard,
+            _ => self.settings.max_interval,
         }
     }
 
@@ -263,6 +378,11 @@ impl PlannerCore {
             // A snapshot (first sync, replay) emits everything: it says nothing of the rate.
             if plan.need != Some(Need::Snapshot) {
                 plan.rate.observe(facts.changed, window);
+                plan.long.observe(facts.changed, window, facts.started);
+                self.pools
+                    .entry(key.resource)
+                    .or_insert_with(LongRate::new)
+                    .observe(facts.changed, window, facts.started);
             }
             plan.period = Some(match plan.period {
                 Some(p) => p.mul_f64(0.7) + window.mul_f64(0.3),
@@ -287,14 +407,30 @@ impl PlannerCore {
     }
 
     /// The poll-lane rank of a ready stream: a higher tier first, then a higher score.
-    fn rank(&self, plan: &StreamPlan, now: Instant) -> (u8, f64) {
+    fn rank(
+        &self,
+        key: StreamKey,
+        plan: &StreamPlan,
+        now: Instant,
+        guard: Option<Duration>,
+    ) -> (u8, f64) {
         let cap = self.settings.max_interval;
         match (plan.need, plan.last_poll) {
             (Some(Need::Snapshot), _) | (_, None) => (TIER_SNAPSHOT, 0.0),
             (_, Some(last)) => {
                 let age = now.saturating_duration_since(last);
                 if age >= cap {
-                    (TIER_OVERDUE, age.as_secs_f64())
+                    return (TIER_OVERDUE, age.as_secs_f64());
+                }
+                // Due: past the guard, or a quiet stream near the cap; the
+                // score orders by deadline (the most overdue first).
+                let due = match guard {
+                    Some(guard) if !self.is_quiet(key) => Some((guard, guard)),
+                    Some(_) => Some((cap.mul_f64(QUIET_LEAD), cap)),
+                    None => None,
+                };
+                if let Some((_, bound)) = due.filter(|(from, _)| age >= *from) {
+                    (TIER_DUE, age.as_secs_f64() - bound.as_secs_f64())
                 } else {
                     let age = age.as_secs_f64();
                     let rate = plan.rate.per_second(&self.settings);
@@ -333,11 +469,12 @@ impl PlannerCore {
         } else {
             self.settings.poll_lanes
         };
+        let guard = self.tail_guard();
         let mut candidates: Vec<(StreamKey, (u8, f64), Option<Instant>)> = self
             .streams
             .iter()
             .filter(|(_, p)| ready(p))
-            .map(|(k, p)| (*k, self.rank(p, now), p.last_poll))
+            .map(|(k, p)| (*k, self.rank(*k, p, now, guard), p.last_poll))
             .collect();
         candidates.sort_by(|a, b| {
             b.1 .0
@@ -489,6 +626,7 @@ impl Planner {
                 let mut core = self.lock();
                 let now = Instant::now();
                 let budget_idle = self.budget.observable_state().waiting_poll == 0;
+                core.set_paced_rate(paced_per_second(&self.budget));
                 if !core.grant(now, budget_idle).is_empty() {
                     self.changed.notify_waiters();
                 }
@@ -518,6 +656,14 @@ impl Planner {
     }
 }
 
+/// Requests a second `budget` paces now (None when unlimited).
+fn paced_per_second(budget: &RateBudget) -> Option<f64> {
+    match budget.paced_per_window() {
+        0 => None,
+        n => Some(f64::from(n) / budget.window().as_secs_f64().max(1e-9)),
+    }
+}
+
 /// What the planner knows of one stream, as `status` shows it.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StreamPlanStatus {
@@ -531,6 +677,10 @@ pub struct StreamPlanStatus {
     pub turn: String,
     /// Seconds until its floor has passed, while resting.
     pub next_poll_in_seconds: Option<f64>,
+    /// The longest it may go unpolled now: the tail guard, or `poll.max_interval` while quiet.
+    pub poll_bound_seconds: f64,
+    /// Its resource hardly ever changes on this token and it saw no change lately.
+    pub quiet: bool,
 }
 
 /// A token's budget and planner, as `status` shows them.
@@ -595,6 +745,8 @@ impl Planner {
                 .map(|at| now.saturating_duration_since(at).as_secs_f64()),
             turn: turn.to_string(),
             next_poll_in_seconds: next.map(|d| d.as_secs_f64()),
+            poll_bound_seconds: core.poll_bound(key).as_secs_f64(),
+            quiet: core.is_quiet(key),
         })
     }
 
@@ -625,7 +777,7 @@ pub fn record_budget_gauges(budget: &RateBudget, token_id: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::stream::Resource;
+    use std::collections::BTreeSet;
 
     fn key(tenant: u64) -> StreamKey {
         StreamKey::new(tenant, Resource::Vouchers)
@@ -878,7 +1030,7 @@ mod tests {
     async fn simulate(
         settings: PlannerSettings,
         budget: RateBudget,
-        streams: u64,
+        streams: Vec<StreamKey>,
         poll_time: Duration,
         run_for: Duration,
         changes: impl Fn(StreamKey, Duration, Duration) -> u64 + Send + Sync + 'static,
@@ -889,13 +1041,12 @@ mod tests {
         let changes = Arc::new(changes);
         let polls = Arc::new(StdMutex::new(BTreeMap::<StreamKey, Vec<Duration>>::new()));
         let mut tasks = Vec::new();
-        for t in 1..=streams {
+        for key in streams {
             let planner = planner.clone();
             let polls = polls.clone();
             let changes = changes.clone();
             let budget = budget.clone();
             tasks.push(tokio::spawn(async move {
-                let key = key(t);
                 let mut ready_at = start;
                 let mut last = start;
                 loop {
@@ -961,7 +1112,7 @@ mod tests {
         let polls = simulate(
             settings,
             RateBudget::new(6_000),
-            10,
+            (1..=10).map(key).collect(),
             Duration::from_millis(500),
             secs(600),
             |_, _, _| 0,
@@ -994,7 +1145,7 @@ mod tests {
         let polls = simulate(
             settings,
             budget,
-            40,
+            (1..=40).map(key).collect(),
             Duration::ZERO,
             secs(1200),
             move |k, at, since| {
@@ -1032,6 +1183,236 @@ mod tests {
         assert!(
             settled.iter().all(|g| *g <= secs(5) + slot * 4),
             "not followed within a few polls: {after:?}"
+        );
+    }
+
+    /// Polls every stream of `keys` at `at`, each finding `changed(key)`
+    /// changes, one after the other in the lane order.
+    fn poll_round(
+        core: &mut PlannerCore,
+        keys: &[StreamKey],
+        at: Instant,
+        changed: impl Fn(StreamKey) -> u64,
+    ) {
+        for &k in keys {
+            core.ask(k, Need::Poll { full_due: false }, at);
+        }
+        loop {
+            let granted = core.grant(at, false);
+            if granted.is_empty() {
+                break;
+            }
+            for (k, g) in granted {
+                core.take_grant(k);
+                core.finished(k, g, facts(at, changed(k)));
+            }
+        }
+    }
+
+    #[test]
+    fn a_stream_that_changes_goes_before_hot_ones_past_the_tail_guard_and_a_quiet_resource_waits_for_the_cap(
+    ) {
+        let t0 = Instant::now();
+        let mut core = PlannerCore::new(settings(1));
+        // 8 streams of one request each at 0.04 requests/s: a uniform round
+        // takes 200 s, so the guard is 180 s (between the floor and the cap).
+        core.set_paced_rate(Some(0.04));
+        let vouchers: Vec<_> = (1..=4).map(key).collect();
+        let categories: Vec<_> = (1..=4)
+            .map(|t| StreamKey::new(t, Resource::Categories))
+            .collect();
+        let all: Vec<_> = vouchers.iter().chain(&categories).copied().collect();
+        warm(&mut core, &all, t0);
+        assert_eq!(core.tail_guard(), Some(secs(180)));
+        // 20 rounds a minute apart: voucher 1 is hot, vouchers 2-4 change
+        // now and then, categories never.
+        for round in 1..=20u64 {
+            poll_round(&mut core, &all, t0 + secs(60 * round), |k| {
+                match (k.resource, k.tenant) {
+                    (Resource::Vouchers, 1) => 60,
+                    (Resource::Vouchers, t) if round % 5 == t % 5 => 1,
+                    _ => 0,
+                }
+            });
+        }
+        assert!(core.is_quiet(categories[0]), "categories never changed");
+        assert!(!core.is_quiet(vouchers[2]), "vouchers change");
+        assert_eq!(core.poll_bound(vouchers[2]), secs(180));
+        assert_eq!(core.poll_bound(categories[0]), secs(300));
+        // 100 s later, under the guard: the hot one goes by its index.
+        let last = t0 + secs(60 * 20);
+        for &k in &all {
+            core.ask(k, Need::Poll { full_due: false }, last + secs(100));
+        }
+        let granted = core.grant(last + secs(100), false);
+        assert_eq!(granted, vec![(vouchers[0], Grant::Poll)]);
+        core.take_grant(vouchers[0]);
+        core.finished(vouchers[0], Grant::Poll, facts(last + secs(100), 100));
+        // 190 s after the round: the others are past the guard (180 s), the
+        // hot one (polled 90 s ago, 100 changes) is not.
+        let at = last + secs(190);
+        core.ask(vouchers[0], Need::Poll { full_due: false }, at);
+        let mut order = Vec::new();
+        for _ in 0..4 {
+            let granted = core.grant(at, false);
+            assert_eq!(granted.len(), 1, "one lane");
+            let (k, g) = granted[0];
+            core.take_grant(k);
+            core.finished(k, g, facts(at, 0));
+            order.push(k);
+        }
+        assert_eq!(
+            order[..3].iter().map(|k| k.tenant).collect::<BTreeSet<_>>(),
+            BTreeSet::from([2, 3, 4]),
+            "vouchers past the guard go before the hot one: {order:?}"
+        );
+        assert!(order[..3].iter().all(|k| k.resource == Resource::Vouchers));
+        assert_eq!(
+            order[3], vouchers[0],
+            "then the hot one by its index: {order:?}"
+        );
+        assert!(
+            core.grant(at, false)
+                .iter()
+                .all(|(k, _)| k.resource == Resource::Categories),
+            "then the quiet ones"
+        );
+    }
+
+    #[test]
+    fn no_stream_is_quiet_before_it_has_been_watched_long_enough() {
+        let t0 = Instant::now();
+        let mut core = PlannerCore::new(settings(3));
+        core.set_paced_rate(Some(0.04));
+        let category = StreamKey::new(1, Resource::Categories);
+        warm(&mut core, &[category], t0);
+        poll_round(&mut core, &[category], t0 + secs(60), |_| 0);
+        assert!(
+            !core.is_quiet(category),
+            "one minute of silence is no evidence"
+        );
+        for round in 2..=60 {
+            poll_round(&mut core, &[category], t0 + secs(60 * round), |_| 0);
+        }
+        assert!(core.is_quiet(category), "an hour of silence is");
+        assert_eq!(core.poll_bound(category), secs(300));
+        // One change makes the stream itself not quiet for its next polls.
+        poll_round(&mut core, &[category], t0 + secs(60 * 61), |_| 1);
+        assert!(!core.is_quiet(category));
+        assert_eq!(
+            core.poll_bound(category),
+            secs(30),
+            "the guard, at the floor"
+        );
+    }
+
+    #[test]
+    fn a_stream_of_a_quiet_resource_that_changes_is_held_to_the_guard_again_at_its_next_poll() {
+        let t0 = Instant::now();
+        let mut core = PlannerCore::new(settings(usize::MAX));
+        core.set_paced_rate(Some(0.2));
+        let categories: Vec<_> = (1..=50)
+            .map(|t| StreamKey::new(t, Resource::Categories))
+            .collect();
+        warm(&mut core, &categories, t0);
+        for round in 1..=20 {
+            poll_round(&mut core, &categories, t0 + secs(60 * round), |_| 0);
+        }
+        assert!(core.is_quiet(categories[7]));
+        // 50 streams at 0.2 requests/s: a round of 250 s, a guard of 225 s.
+        assert_eq!(core.poll_bound(categories[7]), secs(300));
+        poll_round(&mut core, &categories[7..8], t0 + secs(60 * 21), |_| 1);
+        assert!(
+            !core.is_quiet(categories[7]),
+            "one change in 50 x 20 polls leaves the resource quiet, not the stream"
+        );
+        assert_eq!(core.poll_bound(categories[7]), secs(225));
+        assert!(core.is_quiet(categories[8]));
+    }
+
+    #[test]
+    fn an_unlimited_budget_has_no_tail_guard() {
+        let mut core = PlannerCore::new(settings(usize::MAX));
+        warm(&mut core, &[key(1), key(2)], Instant::now());
+        assert_eq!(core.tail_guard(), None);
+        assert_eq!(core.poll_bound(key(1)), secs(300));
+        core.set_paced_rate(Some(f64::INFINITY));
+        assert_eq!(core.tail_guard(), None);
+        core.set_paced_rate(Some(1000.0));
+        assert_eq!(core.tail_guard(), Some(secs(30)), "clamped to the floor");
+    }
+
+    /// Skewed rates as in the freshness benchmark, on tokio's paused clock:
+    /// 20 voucher streams (tenant t changes 0.5/t times a second) and 20
+    /// category streams that never change share 60 requests a minute. Once
+    /// the planner has learnt that categories are quiet, every voucher stream
+    /// is polled within the tail guard, categories only within the cap, and
+    /// the budget they leave goes to the hot streams.
+    #[tokio::test(start_paused = true)]
+    async fn with_skewed_rates_every_stream_that_changes_is_polled_within_the_tail_guard() {
+        let settings = PlannerSettings {
+            interval: secs(5),
+            max_interval: secs(120),
+            poll_lanes: POLL_LANES,
+            full_resync_interval: secs(3600),
+        };
+        let budget = RateBudget::new(60);
+        let slot = budget.spacing().unwrap();
+        // 40 streams at 57 requests a minute paced: a round of 42.1 s.
+        let guard = Duration::from_secs_f64(40.0 / (57.0 / 60.0) * TAIL_GUARD_SHARE);
+        let mut keys: Vec<_> = (1..=20).map(key).collect();
+        keys.extend((1..=20).map(|t| StreamKey::new(t, Resource::Categories)));
+        let polls = simulate(
+            settings,
+            budget,
+            keys,
+            Duration::ZERO,
+            secs(2400),
+            |k, at, since| {
+                if k.resource == Resource::Categories {
+                    return 0;
+                }
+                // Changes at every multiple of 1/rate: exact counts, no noise.
+                let rate = 0.5 / k.tenant as f64;
+                let before = (at.as_secs_f64() - since.as_secs_f64()) * rate;
+                ((at.as_secs_f64() * rate).floor() - before.floor()) as u64
+            },
+        )
+        .await;
+        let settled = |at: &[Duration]| -> Vec<Duration> {
+            at.windows(2)
+                .filter(|w| w[0] >= secs(900))
+                .map(|w| w[1] - w[0])
+                .collect()
+        };
+        // A stream past the guard waits for the others past it (most overdue first).
+        let bound = guard + slot * 4;
+        let mut category_gaps = Vec::new();
+        for (key, at) in &polls {
+            let gaps = settled(at);
+            assert!(!gaps.is_empty(), "{key}: {at:?}");
+            match key.resource {
+                Resource::Vouchers => {
+                    let worst = gaps.iter().max().copied().unwrap_or_default();
+                    assert!(
+                        worst <= bound,
+                        "{key}: waited {worst:?}, over the guard {bound:?}"
+                    );
+                }
+                Resource::Categories => category_gaps.extend(gaps),
+            }
+        }
+        category_gaps.sort();
+        let median = category_gaps[category_gaps.len() / 2];
+        assert!(
+            median > guard * 2 && *category_gaps.last().unwrap() <= secs(120) + slot * 7,
+            "quiet streams are held to the cap, not the guard: median {median:?}"
+        );
+        let mut hot = settled(&polls[&key(1)]);
+        hot.sort();
+        assert!(
+            hot[hot.len() / 2] < guard / 2,
+            "the budget quiet streams leave goes to the hot one: {hot:?}"
         );
     }
 

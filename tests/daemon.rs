@@ -525,6 +525,14 @@ async fn under_the_adaptive_planner_status_shows_each_streams_plan_and_the_token
             "{plan}"
         );
         assert!(plan["seconds_since_last_poll"].as_f64().is_some(), "{plan}");
+        let bound = plan["poll_bound_seconds"].as_f64().unwrap();
+        let max_interval = config.config().poll.max_interval.as_secs_f64();
+        assert!(bound > 0.0 && bound <= max_interval, "{plan}");
+        assert_eq!(
+            plan["quiet"].as_bool(),
+            Some(false),
+            "nothing learnt yet: {plan}"
+        );
     }
     let budgets = status["budgets"].as_array().expect("one budget per token");
     assert_eq!(budgets.len(), 1, "{status}");
