@@ -798,19 +798,7 @@ mod tests {
 
     /// Polls every stream once so each has a last poll at `at`.
     fn warm(core: &mut PlannerCore, keys: &[StreamKey], at: Instant) {
-        for &k in keys {
-            core.ask(k, Need::Poll { full_due: false }, at);
-        }
-        loop {
-            let granted = core.grant(at, false);
-            if granted.is_empty() {
-                break;
-            }
-            for (k, g) in granted {
-                core.take_grant(k);
-                core.finished(k, g, facts(at, 0));
-            }
-        }
+        poll_round(core, keys, at, |_| 0);
     }
 
     fn facts(started: Instant, changed: u64) -> SweepFacts {
