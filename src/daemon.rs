@@ -145,7 +145,11 @@ fn clients_for(
         let client = match by_token.get(&id) {
             Some(client) => client.clone(),
             None => {
-                let budget = budgets.budget_for(&token, config.upstream.requests_per_minute);
+                let budget = budgets.budget_for(
+                    &token,
+                    config.upstream.requests_per_minute,
+                    config.upstream.rate_window,
+                );
                 let client = UpstreamClient::new(options.clone(), token, budget)
                     .map_err(DaemonError::Upstream)?;
                 by_token.insert(id, client.clone());

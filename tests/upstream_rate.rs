@@ -53,7 +53,7 @@ async fn three_streams_across_a_window_boundary_with_a_late_window_opener_are_ne
     for tenant in 1..=3u64 {
         // Each stream builds its own client; the registry gives them one budget.
         let token = SecretToken::new(sim.token());
-        let budget = registry.budget_for(&token, PER_MINUTE as u32);
+        let budget = registry.budget_for(&token, PER_MINUTE as u32, Duration::from_secs(60));
         let client = UpstreamClient::new(opts.clone(), token, budget).unwrap();
         streams.push(tokio::spawn(async move {
             loop {

@@ -78,7 +78,7 @@ async fn the_bearer_token_never_appears_in_trace_logs_errors_or_debug_output() {
     let registry = BudgetRegistry::new();
     let make = |token: &str| {
         let token = SecretToken::new(token);
-        let budget = registry.budget_for(&token, 6000);
+        let budget = registry.budget_for(&token, 6000, std::time::Duration::from_secs(60));
         UpstreamClient::new(opts.clone(), token, budget).unwrap()
     };
     let client = make(SECRET);

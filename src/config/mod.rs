@@ -100,6 +100,11 @@ pub struct RawUpstreamConfig {
     /// Request budget per token per minute, shared by every stream using it.
     #[serde(default = "default_requests_per_minute")]
     pub requests_per_minute: u32,
+    /// The window the upstream counts `requests_per_minute` in: a minute for
+    /// the External Voucher API; another only for an API that counts another
+    /// window.
+    #[serde(default = "default_rate_window", with = "humantime_serde")]
+    pub rate_window: Duration,
     /// Timeout of one HTTP request.
     #[serde(default = "default_timeout", with = "humantime_serde")]
     pub timeout: Duration,
@@ -113,6 +118,11 @@ pub struct RawUpstreamConfig {
 
 fn default_requests_per_minute() -> u32 {
     120
+}
+/// Default of `upstream.rate_window`: the API's budget counts a minute.
+pub const DEFAULT_RATE_WINDOW: Duration = Duration::from_secs(60);
+fn default_rate_window() -> Duration {
+    DEFAULT_RATE_WINDOW
 }
 fn default_timeout() -> Duration {
     Duration::from_secs(30)
@@ -131,6 +141,7 @@ impl Default for RawUpstreamConfig {
             token: None,
             token_file: None,
             requests_per_minute: default_requests_per_minute(),
+            rate_window: default_rate_window(),
             timeout: default_timeout(),
             max_attempts: default_max_attempts(),
             retry_after_max: default_retry_after_max(),
@@ -149,6 +160,8 @@ pub struct UpstreamConfig {
     pub token: Option<Secret>,
     /// Request budget per token per minute, shared by every stream using it.
     pub requests_per_minute: u32,
+    /// The window `requests_per_minute` is counted in (a minute).
+    pub rate_window: Duration,
     /// Timeout of one HTTP request.
     pub timeout: Duration,
     /// Attempts per request before a retriable failure is reported.
@@ -522,6 +535,14 @@ impl RawUpstreamConfig {
         if self.timeout.is_zero() {
             problems.bad("upstream.timeout", "must be greater than 0s");
         }
+        if self.rate_window < Duration::from_secs(1) {
+            problems.bad("upstream.rate_window", "must be at least 1s");
+        }
+        problems.at_most(
+            "upstream.rate_window",
+            self.rate_window,
+            Duration::from_secs(3600),
+        );
         if self.max_attempts == 0 {
             problems.bad("upstream.max_attempts", "must be at least 1");
         }
@@ -545,6 +566,7 @@ impl RawUpstreamConfig {
             base_url: base_url?,
             token,
             requests_per_minute: self.requests_per_minute,
+            rate_window: self.rate_window,
             timeout: self.timeout,
             max_attempts: self.max_attempts,
             retry_after_max: self.retry_after_max,

@@ -512,8 +512,8 @@ impl BudgetRegistry {
         Self::default()
     }
 
-    /// The budget of `token`, created with `requests_per_minute` on first use; the same token always gets the same budget.
-    pub fn budget_for(&self, token: &Secret, requests_per_minute: u32) -> Arc<RateBudget> {
+    /// The budget of `token`, created with `requests` per `window` on first use; the same token always gets the same budget.
+    pub fn budget_for(&self, token: &Secret, requests: u32, window: Duration) -> Arc<RateBudget> {
         let key = *blake3::hash(token.expose().as_bytes()).as_bytes();
         let mut budgets = self
             .budgets
@@ -521,12 +521,12 @@ impl BudgetRegistry {
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         let budget = budgets
             .entry(key)
-            .or_insert_with(|| Arc::new(RateBudget::new(requests_per_minute)));
-        if budget.requests() != requests_per_minute {
+            .or_insert_with(|| Arc::new(RateBudget::per_window(requests, window)));
+        if budget.requests() != requests {
             tracing::warn!(
                 token_id = %token.fingerprint(),
                 kept = budget.requests(),
-                ignored = requests_per_minute,
+                ignored = requests,
                 "token already has a rate budget; keeping its first requests_per_minute"
             );
         }
@@ -931,9 +931,9 @@ mod tests {
     #[test]
     fn the_same_token_gets_the_same_budget_and_another_token_its_own() {
         let registry = BudgetRegistry::new();
-        let a = registry.budget_for(&Secret::new("token-a"), 120);
-        let again = registry.budget_for(&Secret::new("token-a"), 60);
-        let b = registry.budget_for(&Secret::new("token-b"), 60);
+        let a = registry.budget_for(&Secret::new("token-a"), 120, MINUTE);
+        let again = registry.budget_for(&Secret::new("token-a"), 60, MINUTE);
+        let b = registry.budget_for(&Secret::new("token-b"), 60, MINUTE);
         assert!(Arc::ptr_eq(&a, &again));
         assert!(!Arc::ptr_eq(&a, &b));
         assert_eq!(again.requests(), 120);

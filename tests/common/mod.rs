@@ -95,6 +95,13 @@ impl TestDaemon {
         }
     }
 
+    /// `GET /v1/status` of its admin API, parsed.
+    pub async fn status(&self) -> serde_json::Value {
+        let url = format!("{}/v1/status", self.admin_url);
+        let response = reqwest::get(&url).await.expect("admin API answers");
+        response.json().await.expect("status is JSON")
+    }
+
     /// Every event written so far, parsed.
     pub fn events(&self) -> Vec<serde_json::Value> {
         read_events(&self.events_path)

@@ -30,6 +30,8 @@ pub struct TestConfig {
     base_url: String,
     token: String,
     max_attempts: u32,
+    /// `upstream.requests_per_minute` and `upstream.rate_window`.
+    budget: (u32, Duration),
     /// `(tenant, resources)`; `None` streams every resource.
     tenants: Vec<(u64, Option<Vec<Resource>>)>,
     poll: PollConfig,
@@ -49,6 +51,7 @@ impl TestConfig {
             base_url: base_url.to_string(),
             token: token.to_string(),
             max_attempts: 2,
+            budget: (60_000, Duration::from_secs(60)),
             tenants: tenants.iter().map(|t| (*t, None)).collect(),
             poll: PollConfig {
                 interval: Duration::from_millis(200),
@@ -80,6 +83,12 @@ impl TestConfig {
     /// `upstream.max_attempts`.
     pub fn with_max_attempts(mut self, attempts: u32) -> Self {
         self.max_attempts = attempts;
+        self
+    }
+
+    /// `upstream.requests_per_minute` = `requests`, counted per `window` (`upstream.rate_window`).
+    pub fn with_budget(mut self, requests: u32, window: Duration) -> Self {
+        self.budget = (requests, window);
         self
     }
 
@@ -159,7 +168,14 @@ impl TestConfig {
         let mut upstream = Table::new();
         upstream.insert("base_url".into(), self.base_url.clone().into());
         upstream.insert("token".into(), self.token.clone().into());
-        upstream.insert("requests_per_minute".into(), 60_000.into());
+        upstream.insert(
+            "requests_per_minute".into(),
+            i64::from(self.budget.0).into(),
+        );
+        upstream.insert(
+            "rate_window".into(),
+            humantime::format_duration(self.budget.1).to_string().into(),
+        );
         upstream.insert("max_attempts".into(), i64::from(self.max_attempts).into());
         let tenants = self
             .tenants
