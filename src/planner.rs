@@ -291,7 +291,12 @@ impl PlannerCore {
         let per_second = self.paced_per_second?;
         let round: f64 = self.streams.values().map(|p| p.cost.max(1.0)).sum::<f64>() / per_second;
         let guard = Duration::try_from_secs_f64(round * TAIL_GUARD_SHARE).ok()?;
-        Some(guard.clamp(self.settings.interval, self.settings.max_interval))
+        // Not `clamp`: settings with the floor above the cap must not panic.
+        Some(
+            guard
+                .max(self.settings.interval)
+                .min(self.settings.max_interval),
+        )
     }
 
     /// The stream is quiet: the evidence says it changes less than once per
@@ -572,9 +577,13 @@ impl Planner {
 
     /// Sets the stream's and the token's gauges.
     fn record_gauges(&self, key: StreamKey) {
-        let (plan, settings) = {
+        let (plan, settings, bound) = {
             let core = self.lock();
-            (core.stream(key).copied(), core.settings())
+            (
+                core.stream(key).copied(),
+                core.settings(),
+                core.poll_bound(key),
+            )
         };
         if let Some(plan) = plan {
             let labels = [
@@ -583,6 +592,7 @@ impl Planner {
             ];
             metrics::gauge!(metric::STREAM_CHANGE_RATE, &labels)
                 .set(plan.rate.per_second(&settings));
+            metrics::gauge!(metric::STREAM_POLL_BOUND, &labels).set(bound.as_secs_f64());
             if let Some(period) = plan.period {
                 metrics::gauge!(metric::STREAM_POLL_PERIOD, &labels).set(period.as_secs_f64());
             }

@@ -59,6 +59,9 @@ pub mod metric {
     pub const STREAM_CHANGE_RATE: &str = "voucher_cdc_stream_change_rate";
     /// Smoothed time between two polls of a stream, by `tenant`, `resource`.
     pub const STREAM_POLL_PERIOD: &str = "voucher_cdc_stream_poll_period_seconds";
+    /// The longest the planner lets a stream go unpolled now (the tail guard,
+    /// or `poll.max_interval` for a quiet stream), by `tenant`, `resource`.
+    pub const STREAM_POLL_BOUND: &str = "voucher_cdc_stream_poll_bound_seconds";
     /// When a stream's last poll started (unix seconds), by `tenant`, `resource`.
     pub const STREAM_LAST_POLL: &str = "voucher_cdc_stream_last_poll_timestamp_seconds";
     /// Requests per minute of a token's budget, by `token_id` and `kind`

@@ -296,6 +296,13 @@ async fn metrics_parse_and_their_counters_match_the_events_and_the_requests() {
 
     for (tenant, resource, known) in [("1", "vouchers", 120.0), ("2", "categories", 6.0)] {
         let labels = [("tenant", tenant), ("resource", resource)];
+        // The planner's view: a bound between the floor and the cap (here
+        // both are the hour of `poll.interval`), and a rate learnt.
+        assert_eq!(
+            sum(&samples, "voucher_cdc_stream_poll_bound_seconds", &labels),
+            3600.0
+        );
+        assert!(sum(&samples, "voucher_cdc_stream_change_rate", &labels) > 0.0);
         assert_eq!(sum(&samples, "voucher_cdc_records_known", &labels), known);
         assert_eq!(sum(&samples, "voucher_cdc_stream_parked", &labels), 0.0);
         let lag = samples
