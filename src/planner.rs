@@ -516,19 +516,24 @@ impl PlannerCore {
         }
     }
 
-    /// When the next stream becomes ready, if a lane could take it.
-    pub fn next_ready(&self, now: Instant) -> Option<Instant> {
-        let lanes_free =
-            self.running(Grant::Poll) < self.settings.poll_lanes || self.running(Grant::Full) == 0;
-        if !lanes_free {
+    /// When `key`, waiting and not granted, should ask the planner again
+    /// by itself: when its floor passes, or when it passes the staleness cap
+    /// (overdue streams may use more lanes). Between those, only a grant (a
+    /// finished sweep, a withdrawn ask) can change its turn.
+    pub fn wake_at(&self, key: StreamKey, now: Instant) -> Option<Instant> {
+        let plan = self.streams.get(&key)?;
+        if plan.running.is_some() {
             return None;
         }
-        self.streams
-            .values()
-            .filter(|p| p.running.is_none())
-            .filter_map(|p| p.ready_at)
-            .filter(|at| *at > now)
-            .min()
+        let ready = plan.ready_at.filter(|at| *at > now);
+        let overdue = plan
+            .last_poll
+            .map(|last| last + self.settings.max_interval)
+            .filter(|at| *at > now);
+        match (ready, overdue) {
+            (Some(ready), _) => Some(ready),
+            (None, overdue) => overdue,
+        }
     }
 }
 
@@ -536,7 +541,8 @@ impl PlannerCore {
 #[derive(Debug, Clone)]
 pub struct Planner {
     core: Arc<StdMutex<PlannerCore>>,
-    changed: Arc<Notify>,
+    /// One waker per stream: a grant wakes only the stream it went to.
+    wakers: Arc<StdMutex<BTreeMap<StreamKey, Arc<Notify>>>>,
     /// The token's budget the planner spends.
     budget: Arc<RateBudget>,
     /// The token's fingerprint, for metrics.
@@ -553,8 +559,9 @@ struct AskGuard<'a> {
 impl Drop for AskGuard<'_> {
     fn drop(&mut self) {
         if self.armed {
-            self.planner.lock().withdraw(self.key);
-            self.planner.changed.notify_waiters();
+            let mut core = self.planner.lock();
+            core.withdraw(self.key);
+            self.planner.grant_and_wake(&mut core);
         }
     }
 }
@@ -564,7 +571,7 @@ impl Planner {
     pub fn new(settings: PlannerSettings, budget: Arc<RateBudget>, token_id: String) -> Self {
         Self {
             core: Arc::new(StdMutex::new(PlannerCore::new(settings))),
-            changed: Arc::new(Notify::new()),
+            wakers: Arc::default(),
             budget,
             token_id,
         }
@@ -622,6 +629,7 @@ impl Planner {
     /// Cancel-safe: dropping the future withdraws the ask (and gives back a
     /// turn granted but not taken).
     pub async fn turn(&self, key: StreamKey, need: Need, ready_at: Instant) -> Grant {
+        let waker = self.waker(key);
         self.lock().ask(key, need, ready_at);
         let mut guard = AskGuard {
             planner: self,
@@ -629,40 +637,62 @@ impl Planner {
             armed: true,
         };
         loop {
-            let notified = self.changed.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            let wake = {
+            let wake_at = {
                 let mut core = self.lock();
-                let now = Instant::now();
-                let budget_idle = self.budget.observable_state().waiting_poll == 0;
-                core.set_paced_rate(paced_per_second(&self.budget));
-                if !core.grant(now, budget_idle).is_empty() {
-                    self.changed.notify_waiters();
-                }
+                // Granting here also opens the next lane of an idle budget
+                // for the next ready stream, which this wakes in turn.
+                self.grant_and_wake(&mut core);
                 if let Some(grant) = core.take_grant(key) {
                     guard.armed = false;
                     return grant;
                 }
-                core.next_ready(now)
+                core.wake_at(key, Instant::now())
             };
-            match wake {
+            // A grant made by another task leaves a permit: none is lost
+            // between releasing the lock and waiting.
+            match wake_at {
                 Some(at) => {
                     tokio::select! {
-                        _ = &mut notified => {}
+                        _ = waker.notified() => {}
                         _ = tokio::time::sleep_until(at) => {}
                     }
                 }
-                None => notified.await,
+                None => waker.notified().await,
             }
         }
     }
 
-    /// `key`'s sweep (granted as `grant`) ended with `facts`; frees its lane.
+    /// `key`'s sweep (granted as `grant`) ended with `facts`; frees its lane
+    /// and grants it to whoever goes next.
     pub fn finished(&self, key: StreamKey, grant: Grant, facts: SweepFacts) {
-        self.lock().finished(key, grant, facts);
-        self.changed.notify_waiters();
+        {
+            let mut core = self.lock();
+            core.finished(key, grant, facts);
+            self.grant_and_wake(&mut core);
+        }
         self.record_gauges(key);
+    }
+
+    /// The waker of `key`'s task.
+    fn waker(&self, key: StreamKey) -> Arc<Notify> {
+        let mut wakers = self.wakers.lock().unwrap_or_else(|p| p.into_inner());
+        wakers.entry(key).or_default().clone()
+    }
+
+    /// Grants every turn the lanes allow now and wakes the streams granted.
+    fn grant_and_wake(&self, core: &mut PlannerCore) {
+        let budget_idle = self.budget.observable_state().waiting_poll == 0;
+        core.set_paced_rate(paced_per_second(&self.budget));
+        let granted = core.grant(Instant::now(), budget_idle);
+        if granted.is_empty() {
+            return;
+        }
+        let wakers = self.wakers.lock().unwrap_or_else(|p| p.into_inner());
+        for (key, _) in granted {
+            if let Some(waker) = wakers.get(&key) {
+                waker.notify_one();
+            }
+        }
     }
 }
 
@@ -857,7 +887,7 @@ mod tests {
         let mut core = PlannerCore::new(settings(3));
         core.ask(key(1), Need::Poll { full_due: false }, t0 + secs(30));
         assert!(core.grant(t0, false).is_empty());
-        assert_eq!(core.next_ready(t0), Some(t0 + secs(30)));
+        assert_eq!(core.wake_at(key(1), t0), Some(t0 + secs(30)));
         assert_eq!(
             core.grant(t0 + secs(30), false),
             vec![(key(1), Grant::Poll)]
@@ -874,10 +904,14 @@ mod tests {
         let first = core.grant(t0, false);
         assert_eq!(first.len(), 2);
         assert!(core.grant(t0, false).is_empty(), "both lanes busy");
+        let waiting = (1..=4)
+            .map(key)
+            .find(|k| first.iter().all(|(g, _)| g != k))
+            .unwrap();
         assert_eq!(
-            core.next_ready(t0),
+            core.wake_at(waiting, t0),
             None,
-            "nothing to wake for while lanes are busy"
+            "never polled, ready: only a grant changes its turn"
         );
         let (k, g) = first[0];
         core.take_grant(k);
