@@ -501,9 +501,13 @@ async fn under_the_adaptive_planner_status_shows_each_streams_plan_and_the_token
     let deadline = std::time::Instant::now() + WAIT;
     let status = loop {
         let (_, status) = get_json(&format!("{admin}/v1/status")).await;
-        let planned = status["streams"]
-            .as_array()
-            .is_some_and(|s| s.len() == 4 && s.iter().all(|s| s["planner"].is_object()));
+        // A stream's plan shows up with its first turn; its last poll once
+        // that turn's sweep reported back.
+        let planned = status["streams"].as_array().is_some_and(|s| {
+            s.len() == 4
+                && s.iter()
+                    .all(|s| s["planner"]["seconds_since_last_poll"].is_number())
+        });
         if planned {
             break status;
         }
