@@ -46,6 +46,9 @@ pub enum NatsSinkError {
     /// A `[sink.nats]` value is invalid.
     #[error(transparent)]
     Config(#[from] NatsConfigError),
+    /// A secret file of `[sink.nats]` cannot be used.
+    #[error(transparent)]
+    Secret(#[from] crate::secret::SecretFileError),
     /// No server could be reached, or it refused us.
     #[error("nats: cannot connect to {urls}: {reason}")]
     Connect {
@@ -93,6 +96,7 @@ impl NatsSink {
     /// Validates `config`, connects, and creates or updates the stream.
     pub async fn connect(config: &NatsSinkConfig) -> Result<Self, NatsSinkError> {
         config.validate()?;
+        let config = &config.with_secrets_read()?;
         let client = connect_with_retry(config).await?;
         let mut js = async_nats::jetstream::new(client.clone());
         js.set_timeout(config.publish_timeout);
@@ -315,7 +319,7 @@ async fn connect_with_retry(config: &NatsSinkConfig) -> Result<Client, NatsSinkE
     let deadline = Instant::now() + config.connect_timeout;
     let mut delay = Duration::from_millis(250);
     loop {
-        let options = connect_options(config).await.map_err(connect_error)?;
+        let options = connect_options(config).map_err(connect_error)?;
         let error = match options.connect(addrs.clone()).await {
             Ok(client) => return Ok(client),
             Err(e) => e,
@@ -340,7 +344,7 @@ async fn connect_with_retry(config: &NatsSinkConfig) -> Result<Client, NatsSinkE
 }
 
 /// Client options from the config: authentication, TLS, timeouts, event logging.
-async fn connect_options(config: &NatsSinkConfig) -> Result<ConnectOptions, String> {
+fn connect_options(config: &NatsSinkConfig) -> Result<ConnectOptions, String> {
     let mut options = ConnectOptions::new()
         .name("voucher-cdc")
         .connection_timeout(config.connect_timeout.min(Duration::from_secs(10)))
@@ -358,22 +362,14 @@ async fn connect_options(config: &NatsSinkConfig) -> Result<ConnectOptions, Stri
                 other => tracing::debug!(sink = SINK, event = %other, "nats client event"),
             }
         });
-    if let Some(path) = &config.credentials_file {
-        options = options.credentials_file(path).await.map_err(|e| {
-            format!(
-                "cannot read sink.nats.credentials_file `{}`: {e}",
-                path.display()
-            )
-        })?;
+    // Secret files were read into their values by `with_secrets_read`.
+    if let Some(creds) = &config.credentials {
+        options = options
+            .credentials(creds.expose())
+            .map_err(|e| format!("sink.nats.credentials: not a valid .creds file: {e}"))?;
     }
-    if let Some(path) = &config.nkey_seed_file {
-        let seed = tokio::fs::read_to_string(path).await.map_err(|e| {
-            format!(
-                "cannot read sink.nats.nkey_seed_file `{}`: {e}",
-                path.display()
-            )
-        })?;
-        options = options.nkey(seed.trim().to_string());
+    if let Some(seed) = &config.nkey_seed {
+        options = options.nkey(seed.expose().trim().to_string());
     }
     if let (Some(user), Some(password)) = (&config.user, &config.password) {
         options = options.user_and_password(user.clone(), password.expose().to_string());
