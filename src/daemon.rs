@@ -259,8 +259,18 @@ impl Components {
         let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&config.state.path)?);
         let sink = match sink {
             Some(sink) => sink,
-            None => config.sink.build(&streams).await?,
+            None => {
+                crate::sinks::metrics::record_sink_up(config.sink.kind().as_str(), false);
+                config.sink.build(&streams).await?
+            }
         };
+        let budgets = token_budgets(&clients);
+        crate::telemetry::export_zero_series(
+            sink.name(),
+            &streams,
+            budgets.iter().map(|(id, _)| id.as_str()),
+        );
+        crate::sinks::metrics::record_sink_up(sink.name(), sink.health().await.is_ok());
         let sink_ended = sink.ended().unwrap_or_default();
         let settings = Arc::new(sweep_settings(config));
         let timing = Timing::from_poll(&config.poll);
@@ -290,7 +300,7 @@ impl Components {
             runners,
             sink_ended,
             planners: planners.into_planners(),
-            budgets: token_budgets(&clients),
+            budgets,
         })
     }
 
