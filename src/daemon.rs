@@ -132,7 +132,16 @@ fn clients_for(
     config: &Config,
     streams: &[StreamKey],
 ) -> Result<HashMap<StreamKey, UpstreamClient>, DaemonError> {
-    let options = ClientOptions::from(&config.upstream);
+    clients_with(config, streams, ClientOptions::from(&config.upstream))
+}
+
+/// One upstream client per stream with `options`, one per distinct token
+/// (streams sharing a token share its client and its rate budget).
+pub fn clients_with(
+    config: &Config,
+    streams: &[StreamKey],
+    options: ClientOptions,
+) -> Result<HashMap<StreamKey, UpstreamClient>, DaemonError> {
     let budgets = BudgetRegistry::new();
     let mut by_token: HashMap<[u8; 32], UpstreamClient> = HashMap::new();
     let mut clients = HashMap::with_capacity(streams.len());

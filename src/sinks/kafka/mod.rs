@@ -390,6 +390,37 @@ impl Drop for KafkaSink {
     }
 }
 
+/// `check-config --probe`: creates a client from the config and fetches the
+/// cluster's metadata (brokers and topics), producing nothing.
+pub async fn probe(config: &KafkaSinkConfig, timeout: Duration) -> Result<String, KafkaSinkError> {
+    config.validate()?;
+    let config = config.with_secrets_read()?;
+    let client: rdkafka::producer::BaseProducer = client_config(&config)
+        .create()
+        .map_err(|e| client_error(&config, &e))?;
+    let brokers = config.brokers.clone();
+    let metadata = tokio::task::spawn_blocking(move || {
+        client
+            .client()
+            .fetch_metadata(None, timeout)
+            .map(|m| (m.brokers().len(), m.topics().len()))
+    })
+    .await;
+    match metadata {
+        Ok(Ok((broker_count, topics))) => Ok(format!(
+            "metadata from `{brokers}`: {broker_count} broker(s), {topics} topic(s)"
+        )),
+        Ok(Err(e)) => Err(KafkaSinkError::Client {
+            brokers,
+            reason: format!("metadata request failed: {e}"),
+        }),
+        Err(e) => Err(KafkaSinkError::Client {
+            brokers,
+            reason: format!("metadata request did not finish: {e}"),
+        }),
+    }
+}
+
 /// The librdkafka configuration: ours first, then the operator's extra
 /// properties (read `property_files` first, see [`KafkaSinkConfig::with_secrets_read`]).
 pub fn client_config(config: &KafkaSinkConfig) -> ClientConfig {

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::connection::State;
-use async_nats::jetstream::context::{Publish, PublishErrorKind};
+use async_nats::jetstream::context::{GetStreamErrorKind, Publish, PublishErrorKind};
 use async_nats::jetstream::ErrorCode;
 use async_nats::{Client, ConnectErrorKind, ConnectOptions, Event as ClientEvent, ServerAddr};
 use async_trait::async_trait;
@@ -301,6 +301,37 @@ impl Sink for NatsSink {
             .flush()
             .await
             .map_err(|e| SinkError::Retriable(format!("nats: flush failed: {e}")))
+    }
+}
+
+/// `check-config --probe`: connects as the sink would (giving up after at
+/// most 5 seconds) and looks the stream up, without creating or changing it.
+pub async fn probe(config: &NatsSinkConfig) -> Result<String, NatsSinkError> {
+    config.validate()?;
+    let config = NatsSinkConfig {
+        connect_timeout: config.connect_timeout.min(Duration::from_secs(5)),
+        ..config.with_secrets_read()?
+    };
+    let client = connect_with_retry(&config).await?;
+    let info = client.server_info();
+    let server = format!("{}:{} (nats-server {})", info.host, info.port, info.version);
+    let js = async_nats::jetstream::new(client);
+    match js.get_stream(&config.stream).await {
+        Ok(stream) => Ok(format!(
+            "connected to {server}; stream `{}` holds {} messages",
+            config.stream,
+            stream.cached_info().state.messages
+        )),
+        Err(e) => match e.kind() {
+            GetStreamErrorKind::JetStream(inner) if inner.error_code() == ErrorCode::STREAM_NOT_FOUND => Ok(format!(
+                "connected to {server}; stream `{}` does not exist yet (the daemon creates it at start)",
+                config.stream
+            )),
+            _ => Err(NatsSinkError::Stream {
+                stream: config.stream.clone(),
+                reason: format!("lookup failed: {e}"),
+            }),
+        },
     }
 }
 
