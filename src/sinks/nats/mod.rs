@@ -243,6 +243,17 @@ fn error_chain(error: &dyn std::error::Error) -> String {
     text
 }
 
+/// True when a connect error text says the TLS handshake failed over a
+/// certificate (unknown issuer, expired, wrong name, or the server refused
+/// ours): rustls reports these as I/O errors, but retrying cannot help.
+pub fn is_certificate_failure(text: &str) -> bool {
+    let text = text.to_ascii_lowercase();
+    text.contains("invalid peer certificate")
+        || text.contains("certificate")
+            && (text.contains("expired") || text.contains("unknown") || text.contains("bad"))
+        || text.contains("received fatal alert")
+}
+
 /// True when retrying the same publish cannot succeed, for any event.
 ///
 /// Only the optimistic-concurrency failures this sink never asks for are
@@ -355,12 +366,19 @@ async fn connect_with_retry(config: &NatsSinkConfig) -> Result<Client, NatsSinkE
             Ok(client) => return Ok(client),
             Err(e) => e,
         };
+        let text = error_chain(&error);
+        if is_certificate_failure(&text) {
+            // Arrives as an I/O error, but no retry fixes a certificate.
+            return Err(connect_error(format!(
+                "tls: {text} (check sink.nats.tls.ca_file and the server's certificate)"
+            )));
+        }
         let retriable = matches!(
             error.kind(),
             ConnectErrorKind::Io | ConnectErrorKind::TimedOut | ConnectErrorKind::Dns
         );
         if !retriable {
-            return Err(connect_error(error.to_string()));
+            return Err(connect_error(text));
         }
         if Instant::now() + delay > deadline {
             return Err(connect_error(format!(
@@ -476,6 +494,23 @@ mod tests {
             subject_for("voucher_cdc", &event(1, EventType::ReplayStarted)),
             "voucher_cdc.1.replay.started"
         );
+    }
+
+    #[test]
+    fn certificate_failures_are_told_apart_from_an_unreachable_server() {
+        assert!(is_certificate_failure(
+            "IO error: invalid peer certificate: UnknownIssuer"
+        ));
+        assert!(is_certificate_failure(
+            "IO error: invalid peer certificate: Expired"
+        ));
+        assert!(is_certificate_failure(
+            "IO error: received fatal alert: BadCertificate"
+        ));
+        assert!(!is_certificate_failure(
+            "IO error: Connection refused (os error 111)"
+        ));
+        assert!(!is_certificate_failure("timed out"));
     }
 
     #[test]
