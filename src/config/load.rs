@@ -413,6 +413,8 @@ mod tests {
     }
 
     #[test]
+    // figment::Jail's closure must return figment's (large) error type.
+    #[allow(clippy::result_large_err)]
     fn sasl_settings_given_only_through_the_environment_reach_the_kafka_client_config() {
         figment::Jail::expect_with(|jail| {
             jail.clear_env();
