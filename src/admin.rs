@@ -448,7 +448,7 @@ async fn metrics_endpoint(State(state): State<Arc<AdminState>>) -> Response {
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        state.metrics.render(),
+        state.metrics.render() + &telemetry::process_metrics(),
     )
         .into_response()
 }

@@ -118,6 +118,10 @@ pub enum Command {
         /// Config file (TOML).
         #[arg(long, short, env = "VOUCHER_CDC_CONFIG")]
         config: Option<PathBuf>,
+        /// Also connect: one request per tenant with its token, and the sink;
+        /// one line per result, exit code 1 when any fails.
+        #[arg(long)]
+        probe: bool,
     },
 }
 
@@ -158,7 +162,7 @@ impl Failure {
 /// Runs a parsed command line and returns its exit code.
 pub async fn run(cli: Cli) -> u8 {
     let result = match cli.command {
-        Command::CheckConfig { config } => check_config(config.as_deref()),
+        Command::CheckConfig { config, probe } => check_config(config.as_deref(), probe).await,
         Command::Run { config, once } => run_daemon(config.as_deref(), once).await,
         Command::Demo {
             tenants,
@@ -245,9 +249,25 @@ fn load_config_for_reading(path: Option<&Path>) -> Result<Config, Failure> {
     }
 }
 
-fn check_config(path: Option<&Path>) -> Result<(), Failure> {
+async fn check_config(path: Option<&Path>, probe: bool) -> Result<(), Failure> {
     let cfg = load_config(path)?;
     print!("{}", cfg.redacted_toml());
+    if !probe {
+        return Ok(());
+    }
+    println!();
+    let results = crate::probe::probe(&cfg).await;
+    for result in &results {
+        println!("# probe {result}");
+    }
+    let failed = results.iter().filter(|r| r.outcome.is_err()).count();
+    if failed > 0 {
+        return Err(Failure::runtime(format!(
+            "probe: {} of {} failed",
+            failed,
+            results.len()
+        )));
+    }
     Ok(())
 }
 

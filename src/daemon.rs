@@ -132,7 +132,16 @@ fn clients_for(
     config: &Config,
     streams: &[StreamKey],
 ) -> Result<HashMap<StreamKey, UpstreamClient>, DaemonError> {
-    let options = ClientOptions::from(&config.upstream);
+    clients_with(config, streams, ClientOptions::from(&config.upstream))
+}
+
+/// One upstream client per stream with `options`, one per distinct token
+/// (streams sharing a token share its client and its rate budget).
+pub fn clients_with(
+    config: &Config,
+    streams: &[StreamKey],
+    options: ClientOptions,
+) -> Result<HashMap<StreamKey, UpstreamClient>, DaemonError> {
     let budgets = BudgetRegistry::new();
     let mut by_token: HashMap<[u8; 32], UpstreamClient> = HashMap::new();
     let mut clients = HashMap::with_capacity(streams.len());
@@ -263,8 +272,18 @@ impl Components {
         let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&config.state.path)?);
         let sink = match sink {
             Some(sink) => sink,
-            None => config.sink.build(&streams).await?,
+            None => {
+                crate::sinks::metrics::record_sink_up(config.sink.kind().as_str(), false);
+                config.sink.build(&streams).await?
+            }
         };
+        let budgets = token_budgets(&clients);
+        crate::telemetry::export_zero_series(
+            sink.name(),
+            &streams,
+            budgets.iter().map(|(id, _)| id.as_str()),
+        );
+        crate::sinks::metrics::record_sink_up(sink.name(), sink.health().await.is_ok());
         let sink_ended = sink.ended().unwrap_or_default();
         let settings = Arc::new(sweep_settings(config));
         let timing = Timing::from_poll(&config.poll);
@@ -294,7 +313,7 @@ impl Components {
             runners,
             sink_ended,
             planners: planners.into_planners(),
-            budgets: token_budgets(&clients),
+            budgets,
         })
     }
 

@@ -12,6 +12,7 @@ pub mod diff;
 pub mod event;
 pub mod hash;
 pub mod planner;
+pub mod probe;
 pub mod scheduler;
 pub mod secret;
 pub mod shard;

@@ -26,10 +26,19 @@ pub mod metric {
     /// Events the sink failed to acknowledge, by `sink`, `kind` (`retriable`,
     /// `fatal`, `rejected`: this one event can never be accepted).
     pub const PUBLISH_FAILURES: &str = "voucher_cdc_publish_failures_total";
-    /// Now minus the stream's watermark, by `tenant`, `resource`.
+    /// Derived, for dashboards without `time()`: now (at the scrape) minus
+    /// the stream's watermark, by `tenant`, `resource`; the same as
+    /// `time() - voucher_cdc_stream_watermark_timestamp_seconds`.
     pub const STREAM_LAG: &str = "voucher_cdc_stream_lag_seconds";
-    /// Seconds since the stream's last successful sweep, by `tenant`, `resource`.
-    pub const SECONDS_SINCE_LAST_SWEEP: &str = "voucher_cdc_seconds_since_last_sweep";
+    /// The stream's watermark (newest `updated_at` committed, unix seconds), by `tenant`, `resource`.
+    pub const STREAM_WATERMARK: &str = "voucher_cdc_stream_watermark_timestamp_seconds";
+    /// When the stream's last successful sweep finished (unix seconds), by `tenant`, `resource`.
+    pub const STREAM_LAST_SWEEP: &str = "voucher_cdc_stream_last_sweep_timestamp_seconds";
+    /// Always 1, labelled with what was built: `version`, `target`, `profile`.
+    pub const BUILD_INFO: &str = "voucher_cdc_build_info";
+    /// Seconds one upstream HTTP attempt took until its whole body was read,
+    /// by `endpoint` (route template) and `status` (HTTP code or `error`) (histogram).
+    pub const UPSTREAM_REQUEST_DURATION: &str = "voucher_cdc_upstream_request_duration_seconds";
     /// Records whose hash the store knows, by `tenant`, `resource`.
     pub const RECORDS_KNOWN: &str = "voucher_cdc_records_known";
     /// 1 when the stream is parked after 401/403/404, by `tenant`, `resource`.
@@ -145,6 +154,11 @@ const PUBLISH_LATENCY_BUCKETS: [f64; 12] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
 ];
 
+/// Buckets of the upstream request duration histogram, in seconds.
+const UPSTREAM_DURATION_BUCKETS: [f64; 12] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
 /// The process-wide Prometheus recorder, installed on first use.
 ///
 /// `metrics` has one global recorder per process, so every daemon of a
@@ -156,23 +170,33 @@ pub fn prometheus() -> metrics_exporter_prometheus::PrometheusHandle {
         std::sync::OnceLock::new();
     HANDLE
         .get_or_init(|| {
-            let builder = metrics_exporter_prometheus::PrometheusBuilder::new();
-            let builder = match builder.set_buckets_for_metric(
-                metrics_exporter_prometheus::Matcher::Full(metric::PUBLISH_LATENCY.to_string()),
-                &PUBLISH_LATENCY_BUCKETS,
-            ) {
-                Ok(b) => b,
-                Err(e) => {
-                    tracing::warn!(error = %e, "publish latency buckets rejected; using summaries");
-                    metrics_exporter_prometheus::PrometheusBuilder::new()
-                }
-            };
+            let mut builder = metrics_exporter_prometheus::PrometheusBuilder::new();
+            for (name, buckets) in [
+                (metric::PUBLISH_LATENCY, &PUBLISH_LATENCY_BUCKETS),
+                (metric::UPSTREAM_REQUEST_DURATION, &UPSTREAM_DURATION_BUCKETS),
+            ] {
+                let matcher = metrics_exporter_prometheus::Matcher::Full(name.to_string());
+                builder = match builder.set_buckets_for_metric(matcher, buckets) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        tracing::warn!(error = %e, metric = name, "histogram buckets rejected; using summaries");
+                        metrics_exporter_prometheus::PrometheusBuilder::new()
+                    }
+                };
+            }
             let recorder = builder.build_recorder();
             let handle = recorder.handle();
             if let Err(e) = metrics::set_global_recorder(recorder) {
                 tracing::warn!(error = %e, "another metrics recorder is installed; /metrics stays empty");
             }
             describe_metrics();
+            metrics::gauge!(
+                metric::BUILD_INFO,
+                "version" => env!("CARGO_PKG_VERSION"),
+                "target" => format!("{}-{}", std::env::consts::ARCH, std::env::consts::OS),
+                "profile" => if cfg!(debug_assertions) { "debug" } else { "release" }
+            )
+            .set(1.0);
             handle
         })
         .clone()
@@ -218,12 +242,34 @@ fn describe_metrics() {
     describe_gauge!(
         metric::STREAM_LAG,
         Unit::Seconds,
-        "Now minus the stream's watermark"
+        "Derived: now minus the stream's watermark (time() - stream_watermark_timestamp_seconds)"
     );
     describe_gauge!(
-        metric::SECONDS_SINCE_LAST_SWEEP,
+        metric::STREAM_WATERMARK,
         Unit::Seconds,
-        "Seconds since the stream's last successful sweep"
+        "The stream's watermark, unix seconds"
+    );
+    describe_gauge!(
+        metric::STREAM_LAST_SWEEP,
+        Unit::Seconds,
+        "When the stream's last successful sweep finished, unix seconds"
+    );
+    describe_gauge!(
+        metric::BUILD_INFO,
+        "Always 1, labelled with the version and target that was built"
+    );
+    describe_histogram!(
+        metric::UPSTREAM_REQUEST_DURATION,
+        Unit::Seconds,
+        "Seconds one upstream HTTP attempt took, by endpoint and status"
+    );
+    describe_counter!(
+        metric::SINK_STALLS,
+        "Publish batches still unacknowledged after 5 retriable failures"
+    );
+    describe_counter!(
+        metric::DEAD_LETTERS,
+        "Records whose event the sink refused, published as dead letters"
     );
     describe_gauge!(metric::RECORDS_KNOWN, "Records whose hash the store knows");
     describe_gauge!(
@@ -238,8 +284,9 @@ fn describe_metrics() {
     describe_gauge!(metric::SINK_UP, "1 when the sink's health check passes");
 }
 
-/// Sets the per-stream gauges (lag, seconds since the last sweep, records
-/// known, parked) from the stream's stored state as of `now`.
+/// Sets the per-stream gauges (watermark and last sweep timestamps, the
+/// derived lag, records known, parked, failing) from the stream's stored
+/// state as of `now`.
 pub fn record_stream_gauges(
     stream: crate::stream::StreamKey,
     state: &crate::state::StreamState,
@@ -250,11 +297,11 @@ pub fn record_stream_gauges(
         ("resource", stream.resource.as_str().to_string()),
     ];
     if let Some(watermark) = state.watermark {
+        metrics::gauge!(metric::STREAM_WATERMARK, &labels).set(unix_seconds(watermark));
         metrics::gauge!(metric::STREAM_LAG, &labels).set(seconds_between(watermark, now));
     }
     if let Some(finished) = state.last_sweep_finished {
-        metrics::gauge!(metric::SECONDS_SINCE_LAST_SWEEP, &labels)
-            .set(seconds_between(finished, now));
+        metrics::gauge!(metric::STREAM_LAST_SWEEP, &labels).set(unix_seconds(finished));
     }
     metrics::gauge!(metric::RECORDS_KNOWN, &labels).set(state.records_known as f64);
     metrics::gauge!(metric::STREAM_PARKED, &labels).set(if state.parked.is_some() {
@@ -302,6 +349,179 @@ pub fn human_duration(d: std::time::Duration) -> String {
     humantime::format_duration(secs).to_string()
 }
 
+/// Exports every failure counter a daemon's streams, tokens and sink can
+/// increment at zero, and `sink_up` at 0 until the sink reports itself up,
+/// so an alert on `increase(...)` or `sink_up == 0` works from the first
+/// scrape, not only after the first failure. Label sets match the ones the
+/// counters are incremented under.
+pub fn export_zero_series<'a>(
+    sink: &str,
+    streams: &[crate::stream::StreamKey],
+    token_ids: impl IntoIterator<Item = &'a str>,
+) {
+    for kind in ["retriable", "fatal", "rejected"] {
+        metrics::counter!(metric::PUBLISH_FAILURES, "sink" => sink.to_string(), "kind" => kind)
+            .increment(0);
+    }
+    for token_id in token_ids {
+        metrics::counter!(metric::UPSTREAM_RATE_LIMITED, "token_id" => token_id.to_string())
+            .increment(0);
+    }
+    for stream in streams {
+        let tenant = stream.tenant.to_string();
+        let resource = stream.resource.as_str();
+        for reason in ["429", "5xx", "timeout", "connect", "body"] {
+            metrics::counter!(metric::UPSTREAM_RETRIES, "tenant" => tenant.clone(),
+                "resource" => resource, "reason" => reason)
+            .increment(0);
+        }
+        for kind in ["incremental", "full"] {
+            metrics::counter!(metric::SWEEPS, "tenant" => tenant.clone(),
+                "resource" => resource, "kind" => kind, "outcome" => "error")
+            .increment(0);
+        }
+        metrics::counter!(metric::SINK_STALLS, "tenant" => tenant.clone(),
+            "resource" => resource, "sink" => sink.to_string())
+        .increment(0);
+        for reason in ["too_large", "rejected"] {
+            metrics::counter!(metric::DEAD_LETTERS, "tenant" => tenant.clone(),
+                "resource" => resource, "reason" => reason)
+            .increment(0);
+        }
+        metrics::counter!(metric::DELETES_REFUSED, "tenant" => tenant.clone(), "resource" => resource)
+            .increment(0);
+    }
+}
+
+/// The standard process metrics of the Prometheus client libraries
+/// (`process_cpu_seconds_total`, `process_resident_memory_bytes`,
+/// `process_virtual_memory_bytes`, `process_open_fds`, `process_max_fds`,
+/// `process_start_time_seconds`) in the text format, read from `/proc/self`
+/// at each scrape; empty where there is no `/proc` (not Linux).
+pub fn process_metrics() -> String {
+    let mut out = String::new();
+    let Some(sample) = ProcessSample::read() else {
+        return out;
+    };
+    let mut put = |name: &str, kind: &str, help: &str, value: Option<f64>| {
+        if let Some(value) = value {
+            out.push_str(&format!(
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"
+            ));
+        }
+    };
+    put(
+        "process_cpu_seconds_total",
+        "counter",
+        "Total user and system CPU time spent in seconds.",
+        Some(sample.cpu_seconds),
+    );
+    put(
+        "process_resident_memory_bytes",
+        "gauge",
+        "Resident memory size in bytes.",
+        sample.resident_bytes.map(|b| b as f64),
+    );
+    put(
+        "process_virtual_memory_bytes",
+        "gauge",
+        "Virtual memory size in bytes.",
+        Some(sample.virtual_bytes as f64),
+    );
+    put(
+        "process_open_fds",
+        "gauge",
+        "Number of open file descriptors.",
+        sample.open_fds.map(|n| n as f64),
+    );
+    put(
+        "process_max_fds",
+        "gauge",
+        "Maximum number of open file descriptors.",
+        sample.max_fds.map(|n| n as f64),
+    );
+    put(
+        "process_start_time_seconds",
+        "gauge",
+        "Start time of the process since unix epoch in seconds.",
+        sample.start_time_seconds,
+    );
+    out
+}
+
+/// One reading of `/proc/self`.
+#[derive(Debug, Clone, PartialEq)]
+struct ProcessSample {
+    cpu_seconds: f64,
+    virtual_bytes: u64,
+    resident_bytes: Option<u64>,
+    open_fds: Option<u64>,
+    max_fds: Option<u64>,
+    start_time_seconds: Option<f64>,
+}
+
+/// Clock ticks per second of `/proc/*/stat` times: USER_HZ, fixed at 100 by
+/// the Linux ABI (Prometheus' procfs library assumes the same).
+const USER_HZ: f64 = 100.0;
+
+impl ProcessSample {
+    /// Reads `/proc/self`; `None` without a readable `/proc/self/stat`.
+    fn read() -> Option<Self> {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let limits = std::fs::read_to_string("/proc/self/limits").unwrap_or_default();
+        let boot = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        let mut sample = Self::parse(&stat, &status, &limits, &boot)?;
+        sample.open_fds = std::fs::read_dir("/proc/self/fd")
+            .ok()
+            .map(|entries| entries.count() as u64);
+        Some(sample)
+    }
+
+    /// The sample in the texts of `/proc/self/stat`, `/proc/self/status`,
+    /// `/proc/self/limits` and `/proc/stat` (open fds are counted apart).
+    fn parse(stat: &str, status: &str, limits: &str, boot: &str) -> Option<Self> {
+        // The command name in parentheses may hold spaces: fields start after the last `)`.
+        let fields: Vec<&str> = stat
+            .get(stat.rfind(')')? + 1..)?
+            .split_whitespace()
+            .collect();
+        // fields[0] is field 3 of proc(5): utime is 14, stime 15, starttime 22, vsize 23.
+        let field = |n: usize| fields.get(n - 3).and_then(|v| v.parse::<u64>().ok());
+        let cpu_seconds = (field(14)? + field(15)?) as f64 / USER_HZ;
+        let virtual_bytes = field(23)?;
+        let resident_bytes = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+            .map(|kib| kib * 1024);
+        let max_fds = limits
+            .lines()
+            .find_map(|l| l.strip_prefix("Max open files"))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok());
+        let boot_time = boot
+            .lines()
+            .find_map(|l| l.strip_prefix("btime "))
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        let start_time_seconds = boot_time
+            .zip(field(22))
+            .map(|(boot, ticks)| boot as f64 + ticks as f64 / USER_HZ);
+        Some(Self {
+            cpu_seconds,
+            virtual_bytes,
+            resident_bytes,
+            open_fds: None,
+            max_fds,
+            start_time_seconds,
+        })
+    }
+}
+
+/// A time as unix seconds with milliseconds.
+fn unix_seconds(at: chrono::DateTime<chrono::Utc>) -> f64 {
+    at.timestamp_millis() as f64 / 1000.0
+}
+
 /// Seconds from `earlier` to `later`, never negative (clocks may disagree).
 pub fn seconds_between(
     earlier: chrono::DateTime<chrono::Utc>,
@@ -314,6 +534,21 @@ pub fn seconds_between(
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn process_figures_are_read_from_the_proc_texts() {
+        let stat = "4242 (voucher cdc) S 1 4242 4242 0 -1 4194560 900 0 0 0 250 50 0 0 20 0 9 0 1000 123456789 2500 18446744073709551615";
+        let status = "Name:\tvoucher-cdc\nVmRSS:\t   10240 kB\nThreads:\t9\n";
+        let limits = "Limit                     Soft Limit           Hard Limit           Units\nMax open files            1024                 524288               files\n";
+        let boot = "cpu  1 2 3\nbtime 1700000000\n";
+        let sample = ProcessSample::parse(stat, status, limits, boot).unwrap();
+        assert_eq!(sample.cpu_seconds, 3.0);
+        assert_eq!(sample.virtual_bytes, 123_456_789);
+        assert_eq!(sample.resident_bytes, Some(10 * 1024 * 1024));
+        assert_eq!(sample.max_fds, Some(1024));
+        assert_eq!(sample.start_time_seconds, Some(1_700_000_010.0));
+        assert_eq!(ProcessSample::parse("garbage", "", "", ""), None);
+    }
 
     #[test]
     fn durations_are_logged_the_way_people_write_them() {

@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use figment::providers::{Env, Format, Toml};
+use figment::providers::{Env, Format, Serialized, Toml};
 use figment::Figment;
 use serde::Deserialize;
 
@@ -23,6 +23,32 @@ pub const SECTIONS: &[&str] = &[
     "upstream", "tenants", "poll", "state", "sink", "admin", "log", "shard",
 ];
 
+/// Prefix of librdkafka properties given through the environment:
+/// `VOUCHER_CDC_KAFKA_SASL_MECHANISM=PLAIN` sets `sink.kafka.properties."sasl.mechanism"`.
+pub const KAFKA_ENV_PREFIX: &str = "VOUCHER_CDC_KAFKA_";
+
+/// The librdkafka properties in `vars`: each `VOUCHER_CDC_KAFKA_<NAME>`
+/// becomes property `<name>` lower-cased with every `_` turned into `.`
+/// (no settable librdkafka property has an `_`). Kubernetes service-link
+/// variables of a Service named `voucher-cdc-kafka` (`..._PORT`,
+/// `..._PORT_<n>_TCP...`, `..._SERVICE_HOST`, `..._SERVICE_PORT...`) are
+/// left out.
+pub fn kafka_env_properties(
+    vars: impl IntoIterator<Item = (String, String)>,
+) -> std::collections::BTreeMap<String, String> {
+    vars.into_iter()
+        .filter_map(|(name, value)| {
+            let rest = name.strip_prefix(KAFKA_ENV_PREFIX)?;
+            let service_link = rest == "PORT"
+                || rest.starts_with("PORT_")
+                || rest.starts_with("SERVICE_HOST")
+                || rest.starts_with("SERVICE_PORT");
+            (!rest.is_empty() && !service_link && !rest.contains("__"))
+                .then(|| (rest.to_ascii_lowercase().replace('_', "."), value))
+        })
+        .collect()
+}
+
 /// At most this many problems are collected before the loader gives up.
 const MAX_PROBLEMS: usize = 64;
 
@@ -36,6 +62,10 @@ pub fn load(file: Option<&Path>) -> Result<Config, ConfigError> {
         figment = figment.merge(Toml::file(path));
     }
     let mut problems = unknown_env_sections(std::env::vars_os().map(|(k, _)| k));
+    let kafka = kafka_env_properties(std::env::vars());
+    if !kafka.is_empty() {
+        figment = figment.merge(Serialized::default("sink.kafka.properties", kafka));
+    }
     let env = Env::prefixed(ENV_PREFIX)
         .filter(|key| is_config_env_key(key.as_str()))
         .split("__");
@@ -359,6 +389,61 @@ fn duration_hint(actual: &figment::error::Actual) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kafka_properties_map_from_the_environment_without_service_links() {
+        let vars = [
+            ("VOUCHER_CDC_KAFKA_SASL_MECHANISM", "PLAIN"),
+            ("VOUCHER_CDC_KAFKA_SSL_CA_LOCATION", "/ca.pem"),
+            ("VOUCHER_CDC_KAFKA_PORT", "tcp://10.0.0.1:9092"),
+            ("VOUCHER_CDC_KAFKA_PORT_9092_TCP_ADDR", "10.0.0.1"),
+            ("VOUCHER_CDC_KAFKA_SERVICE_HOST", "10.0.0.1"),
+            ("VOUCHER_CDC_KAFKA_SERVICE_PORT_KAFKA", "9092"),
+            ("VOUCHER_CDC_SINK__KAFKA__BROKERS", "b:9092"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()));
+        let properties = kafka_env_properties(vars);
+        assert_eq!(
+            properties.into_iter().collect::<Vec<_>>(),
+            vec![
+                ("sasl.mechanism".to_string(), "PLAIN".to_string()),
+                ("ssl.ca.location".to_string(), "/ca.pem".to_string()),
+            ]
+        );
+    }
+
+    #[test]
+    // figment::Jail's closure must return figment's (large) error type.
+    #[allow(clippy::result_large_err)]
+    fn sasl_settings_given_only_through_the_environment_reach_the_kafka_client_config() {
+        figment::Jail::expect_with(|jail| {
+            jail.clear_env();
+            for (name, value) in [
+                ("VOUCHER_CDC_UPSTREAM__BASE_URL", "http://x/api/external/v1"),
+                ("VOUCHER_CDC_UPSTREAM__TOKEN", "t"),
+                ("VOUCHER_CDC_TENANTS", "[{id=1}]"),
+                ("VOUCHER_CDC_SINK__KIND", "kafka"),
+                ("VOUCHER_CDC_SINK__KAFKA__BROKERS", "127.0.0.1:9092"),
+                ("VOUCHER_CDC_KAFKA_SECURITY_PROTOCOL", "SASL_PLAINTEXT"),
+                ("VOUCHER_CDC_KAFKA_SASL_MECHANISM", "PLAIN"),
+                ("VOUCHER_CDC_KAFKA_SASL_USERNAME", "bridge"),
+                ("VOUCHER_CDC_KAFKA_SASL_PASSWORD", "env-secret"),
+            ] {
+                jail.set_env(name, value);
+            }
+            let config = load(None).map_err(|e| e.to_string())?;
+            let crate::config::SinkBackendConfig::Kafka(kafka) = &config.sink.backend else {
+                return Err("not the kafka sink".into());
+            };
+            let client = crate::sinks::kafka::client_config(kafka);
+            assert_eq!(client.get("security.protocol"), Some("SASL_PLAINTEXT"));
+            assert_eq!(client.get("sasl.mechanism"), Some("PLAIN"));
+            assert_eq!(client.get("sasl.username"), Some("bridge"));
+            assert_eq!(client.get("sasl.password"), Some("env-secret"));
+            assert!(!config.redacted_toml().contains("env-secret"));
+            Ok(())
+        });
+    }
 
     #[test]
     fn sections_are_the_top_level_keys_of_the_config() {

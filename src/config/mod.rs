@@ -17,6 +17,7 @@ use url::Url;
 
 use crate::hash::IgnoreKeys;
 pub use crate::planner::Strategy;
+use crate::secret;
 use crate::shard::{Shard, ShardConfig};
 use crate::sinks::config::RawSinkConfig;
 use crate::stream::{Resource, StreamKey, TenantId};
@@ -191,9 +192,13 @@ pub struct TenantConfig {
     /// Resources to stream for this tenant.
     #[serde(default = "default_resources")]
     pub resources: Vec<Resource>,
-    /// Per-tenant bearer token overriding `upstream.token`.
+    /// Per-tenant bearer token overriding `upstream.token`. After checking,
+    /// the token in effect for this tenant's own credentials (from `token_file` too).
     #[serde(default)]
     pub token: Option<Secret>,
+    /// File holding the tenant's bearer token (instead of `token`).
+    #[serde(default)]
+    pub token_file: Option<PathBuf>,
 }
 
 fn default_resources() -> Vec<Resource> {
@@ -378,6 +383,9 @@ pub struct RawAdminConfig {
     /// Bearer token for the admin API; required when `listen` is not loopback.
     #[serde(default)]
     pub token: Option<Secret>,
+    /// File holding the admin token (instead of `token`).
+    #[serde(default)]
+    pub token_file: Option<PathBuf>,
 }
 
 fn default_admin_listen() -> String {
@@ -389,6 +397,7 @@ impl Default for RawAdminConfig {
         Self {
             listen: default_admin_listen(),
             token: None,
+            token_file: None,
         }
     }
 }
@@ -496,7 +505,7 @@ impl RawConfig {
     pub fn check(self) -> Result<Config, ConfigError> {
         let mut problems = Problems::default();
         let upstream = self.upstream.check(&self.tenants, &mut problems);
-        check_tenants(&self.tenants, &mut problems);
+        let tenants = check_tenants(&self.tenants, &mut problems);
         self.poll.check(&mut problems);
         self.state.check(&mut problems);
         let sink = self.sink.check().map_err(|e| problems.add(e)).ok();
@@ -508,7 +517,7 @@ impl RawConfig {
         match (upstream, sink, admin) {
             (Some(upstream), Some(sink), Some(admin)) if problems.0.is_empty() => Ok(Config {
                 upstream,
-                tenants: self.tenants.clone(),
+                tenants,
                 poll: self.poll.clone(),
                 state: self.state.clone(),
                 sink,
@@ -614,54 +623,52 @@ impl RawUpstreamConfig {
     /// given, when neither is and a tenant has no token of its own, or when
     /// the token is empty.
     fn resolve_token(&self, tenants: &[TenantConfig], problems: &mut Problems) -> Option<Secret> {
-        let every_tenant_has_a_token =
-            !tenants.is_empty() && tenants.iter().all(|t| t.token.is_some());
-        let resolved = match (&self.token, &self.token_file) {
-            (Some(_), Some(_)) => {
-                problems.bad(
-                    "upstream.token_file",
-                    "set either upstream.token or upstream.token_file, not both",
-                );
-                None
-            }
-            (None, None) => {
-                if !every_tenant_has_a_token {
-                    problems.bad(
-                        "upstream.token",
-                        "required (or upstream.token_file, or env VOUCHER_CDC_UPSTREAM__TOKEN)",
-                    );
-                }
-                None
-            }
-            (None, Some(path)) => match read_token_file(path) {
-                Ok(token) => Some(Secret::new(token)),
-                Err(e) => {
-                    problems.bad("upstream.token_file", e);
-                    None
-                }
-            },
-            (Some(token), None) => Some(token.clone()),
-        };
+        let every_tenant_has_a_token = !tenants.is_empty()
+            && tenants
+                .iter()
+                .all(|t| t.token.is_some() || t.token_file.is_some());
+        if self.token.is_none() && self.token_file.is_none() && !every_tenant_has_a_token {
+            problems.bad(
+                "upstream.token",
+                "required (or upstream.token_file, or env VOUCHER_CDC_UPSTREAM__TOKEN)",
+            );
+        }
         if self.token.as_ref().is_some_and(is_blank) {
             problems.bad(
                 "upstream.token",
                 "is empty: set the API token, or remove the key",
             );
         }
-        resolved
+        secret::value_or_file(
+            "upstream.token",
+            self.token.as_ref(),
+            self.token_file.as_deref(),
+        )
+        .map_err(|e| problems.add(e))
+        .ok()
+        .flatten()
     }
 }
 
 /// `[[tenants]]`: at least one, each listed once, each with at least one
-/// resource and no resource twice, no empty token.
-fn check_tenants(tenants: &[TenantConfig], problems: &mut Problems) {
+/// resource and no resource twice, no empty token. Returns the tenants with
+/// each `token_file` read into `token` (and the file cleared).
+fn check_tenants(tenants: &[TenantConfig], problems: &mut Problems) -> Vec<TenantConfig> {
+    let mut resolved = Vec::with_capacity(tenants.len());
     for (i, t) in tenants.iter().enumerate() {
+        let key = format!("tenants[{i}].token");
         if t.token.as_ref().is_some_and(is_blank) {
-            problems.bad(
-                &format!("tenants[{i}].token"),
-                "is empty: set the API token, or remove the key",
-            );
+            problems.bad(&key, "is empty: set the API token, or remove the key");
         }
+        let token = secret::value_or_file(&key, t.token.as_ref(), t.token_file.as_deref())
+            .map_err(|e| problems.add(e))
+            .ok()
+            .flatten();
+        resolved.push(TenantConfig {
+            token,
+            token_file: None,
+            ..t.clone()
+        });
     }
     if tenants.is_empty() {
         problems.bad("tenants", "at least one [[tenants]] entry is required");
@@ -685,6 +692,7 @@ fn check_tenants(tenants: &[TenantConfig], problems: &mut Problems) {
             problems.bad(&format!("tenants[{i}].resources"), "lists a resource twice");
         }
     }
+    resolved
 }
 
 impl PollConfig {
@@ -780,6 +788,14 @@ impl RawAdminConfig {
         if self.token.as_ref().is_some_and(is_blank) {
             problems.bad("admin.token", "is empty: set a token, or remove the key");
         }
+        let token = secret::value_or_file(
+            "admin.token",
+            self.token.as_ref(),
+            self.token_file.as_deref(),
+        )
+        .map_err(|e| problems.add(e))
+        .ok()
+        .flatten();
         let Ok(listen) = self.listen.parse::<SocketAddr>() else {
             problems.bad(
                 "admin.listen",
@@ -787,16 +803,13 @@ impl RawAdminConfig {
             );
             return None;
         };
-        if !listen.ip().is_loopback() && self.token.is_none() {
+        if !listen.ip().is_loopback() && self.token.is_none() && self.token_file.is_none() {
             problems.bad(
                 "admin.token",
                 format!("required when admin.listen ({listen}) is not a loopback address"),
             );
         }
-        Some(AdminConfig {
-            listen,
-            token: self.token.clone(),
-        })
+        Some(AdminConfig { listen, token })
     }
 }
 
@@ -855,15 +868,6 @@ impl Config {
 /// True for a secret that is empty or only whitespace.
 fn is_blank(secret: &Secret) -> bool {
     secret.expose().trim().is_empty()
-}
-
-/// The token in `path`, trimmed; an empty or unreadable file is an error.
-fn read_token_file(path: &std::path::Path) -> Result<String, String> {
-    match std::fs::read_to_string(path) {
-        Ok(s) if s.trim().is_empty() => Err(format!("{} is empty", path.display())),
-        Ok(s) => Ok(s.trim().to_string()),
-        Err(e) => Err(format!("cannot read {}: {e}", path.display())),
-    }
 }
 
 #[cfg(test)]

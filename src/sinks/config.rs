@@ -14,6 +14,7 @@ use super::nats::config::NatsConfigError;
 use super::nats::{NatsSinkConfig, NatsSinkError};
 use super::stdout::StdoutSink;
 use super::{Sink, SinkError};
+use crate::secret::SecretFileError;
 use crate::stream::StreamKey;
 
 /// Which sink publishes events (`sink.kind`).
@@ -90,6 +91,9 @@ pub enum SinkConfigError {
     /// A `[sink.kafka]` value is invalid.
     #[error(transparent)]
     Kafka(#[from] KafkaConfigError),
+    /// A secret file of the sink cannot be used.
+    #[error(transparent)]
+    Secret(#[from] SecretFileError),
 }
 
 impl RawSinkConfig {
@@ -100,7 +104,7 @@ impl RawSinkConfig {
             SinkKind::Nats => {
                 let nats = self.nats.clone().unwrap_or_default();
                 nats.validate()?;
-                SinkBackendConfig::Nats(nats)
+                SinkBackendConfig::Nats(nats.with_secrets_read()?)
             }
             SinkKind::Kafka => {
                 let kafka = self
@@ -108,7 +112,7 @@ impl RawSinkConfig {
                     .clone()
                     .ok_or(SinkConfigError::KafkaBrokersRequired)?;
                 kafka.validate()?;
-                SinkBackendConfig::Kafka(kafka)
+                SinkBackendConfig::Kafka(kafka.with_secrets_read()?)
             }
             SinkKind::Stdout => SinkBackendConfig::Stdout,
             SinkKind::File => SinkBackendConfig::File(self.file.clone().unwrap_or_default()),
@@ -149,6 +153,8 @@ pub struct SinkConfig {
 
 /// One backend and its settings; each variant builds its own sink.
 #[derive(Debug, Clone, PartialEq, Eq)]
+// Built once at start and cloned rarely: a box would buy nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum SinkBackendConfig {
     /// NATS JetStream.
     Nats(NatsSinkConfig),

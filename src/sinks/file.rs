@@ -35,6 +35,28 @@ impl FileSinkConfig {
     pub fn build(&self) -> Result<FileSink, SinkError> {
         FileSink::open(self)
     }
+
+    /// `check-config --probe`: the file can be opened for appending (a file
+    /// or directories the probe had to create are removed again).
+    pub fn probe(&self) -> Result<String, String> {
+        let existed = self.path.exists();
+        let missing_dirs: Vec<PathBuf> = self
+            .path
+            .ancestors()
+            .skip(1)
+            .filter(|dir| !dir.as_os_str().is_empty() && !dir.exists())
+            .map(PathBuf::from)
+            .collect();
+        let opened = FileSink::open(self).map_err(|e| e.to_string());
+        if !existed {
+            // Best effort: leave the disk as the probe found it.
+            let _ = std::fs::remove_file(&self.path);
+            for dir in &missing_dirs {
+                let _ = std::fs::remove_dir(dir);
+            }
+        }
+        opened.map(|_| format!("{} is writable", self.path.display()))
+    }
 }
 
 impl Default for FileSinkConfig {

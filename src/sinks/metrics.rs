@@ -40,6 +40,6 @@ pub fn record_publish(sink: &str, elapsed: Duration, acks: &[Ack]) {
 }
 
 /// Sets the `sink_up` gauge of `sink`.
-pub fn record_sink_up(sink: &'static str, up: bool) {
-    metrics::gauge!(metric::SINK_UP, "sink" => sink).set(if up { 1.0 } else { 0.0 });
+pub fn record_sink_up(sink: &str, up: bool) {
+    metrics::gauge!(metric::SINK_UP, "sink" => sink.to_string()).set(if up { 1.0 } else { 0.0 });
 }

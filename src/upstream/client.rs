@@ -145,6 +145,8 @@ struct Call {
     url: Url,
     /// Path below the base URL, for messages.
     path: String,
+    /// Route template for the duration metric (`/tenants/{tenant}/catalog/vouchers`).
+    endpoint: &'static str,
     /// JSON body, if any.
     body: Option<Bytes>,
     /// What may be retried.
@@ -278,7 +280,11 @@ impl UpstreamClient {
         if !pairs.is_empty() {
             url.query_pairs_mut().extend_pairs(pairs);
         }
-        let call = self.get_call(tenant, resource.as_str(), url, path);
+        let endpoint = match resource {
+            Resource::Vouchers => "/tenants/{tenant}/catalog/vouchers",
+            Resource::Categories => "/tenants/{tenant}/catalog/categories",
+        };
+        let call = self.get_call(tenant, resource.as_str(), endpoint, url, path);
         let DecodedPage {
             page,
             skipped_records,
@@ -322,6 +328,7 @@ impl UpstreamClient {
             method: Method::POST,
             url,
             path,
+            endpoint: "/tenants/{tenant}/redemptions",
             body: Some(Bytes::from(body)),
             policy: RetryPolicy::RateLimitOnly,
         };
@@ -348,7 +355,11 @@ impl UpstreamClient {
         let id_segment = id.to_string();
         let (url, path) =
             self.endpoint(&["tenants", &tenant_segment, "catalog", resource, &id_segment]);
-        let call = self.get_call(tenant, resource, url, path);
+        let endpoint = match resource {
+            "vouchers" => "/tenants/{tenant}/catalog/vouchers/{id}",
+            _ => "/tenants/{tenant}/catalog/categories/{id}",
+        };
+        let call = self.get_call(tenant, resource, endpoint, url, path);
         self.execute(&call, |body| {
             #[derive(Deserialize)]
             struct Envelope {
@@ -362,13 +373,21 @@ impl UpstreamClient {
     }
 
     /// A retried GET of `url`.
-    fn get_call(&self, tenant: TenantId, resource: &'static str, url: Url, path: String) -> Call {
+    fn get_call(
+        &self,
+        tenant: TenantId,
+        resource: &'static str,
+        endpoint: &'static str,
+        url: Url,
+        path: String,
+    ) -> Call {
         Call {
             tenant,
             resource,
             method: Method::GET,
             url,
             path,
+            endpoint,
             body: None,
             policy: RetryPolicy::Idempotent,
         }
@@ -483,10 +502,12 @@ impl UpstreamClient {
                 .header(CONTENT_TYPE, "application/json")
                 .body(body.clone());
         }
+        let started = std::time::Instant::now();
         let response = match request.send().await {
             Ok(response) => response,
             Err(e) => {
                 self.count_request(call, "error");
+                observe_duration(call, "error", started);
                 return Err(self.transport_failure(call, &e));
             }
         };
@@ -506,6 +527,15 @@ impl UpstreamClient {
             .and_then(|value| value.to_str().ok())
             .map(str::to_owned);
         let body = response.bytes().await;
+        observe_duration(
+            call,
+            if body.is_ok() {
+                status.as_str()
+            } else {
+                "error"
+            },
+            started,
+        );
         if status.is_success() {
             return body.map_err(|e| self.transport_failure(call, &e));
         }
@@ -700,6 +730,16 @@ fn one_line(text: &str) -> String {
         out.push('…');
     }
     out
+}
+
+/// Records how long one attempt took under the request duration histogram.
+fn observe_duration(call: &Call, status: &str, started: std::time::Instant) {
+    metrics::histogram!(
+        metric::UPSTREAM_REQUEST_DURATION,
+        "endpoint" => call.endpoint,
+        "status" => status.to_owned()
+    )
+    .record(started.elapsed().as_secs_f64());
 }
 
 /// The wait a `Retry-After` value asks for: delay-seconds or an HTTP date (a past date is zero).

@@ -125,6 +125,12 @@ pub fn spawn_nats_with_max_payload(bytes: usize) -> Option<NatsServer> {
     spawn_nats_configured(Some(format!("max_payload: {bytes}\n")))
 }
 
+/// Like [`spawn_nats`], with `config` as the server's config file (TLS,
+/// authorization); its relative paths are relative to the config file.
+pub fn spawn_nats_with_config(config: &str) -> Option<NatsServer> {
+    spawn_nats_configured(Some(config.to_string()))
+}
+
 /// Starts `nats-server -js`, with `config` as its config file when given.
 fn spawn_nats_configured(config: Option<String>) -> Option<NatsServer> {
     let configured = std::env::var_os("NATS_SERVER_BIN").map(PathBuf::from);

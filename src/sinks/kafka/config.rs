@@ -4,11 +4,13 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
 use super::{KafkaSink, KafkaSinkError};
+use crate::secret::{value_or_named_file, Secret, SecretFileError};
 use crate::stream::StreamKey;
 
 /// What a secret property value looks like in `Debug` output and in [`KafkaSinkConfig::redacted`].
@@ -70,6 +72,11 @@ pub struct KafkaSinkConfig {
     /// Extra librdkafka properties (SASL, SSL, tuning), passed as given.
     #[serde(default)]
     pub properties: BTreeMap<String, String>,
+    /// librdkafka properties whose value is the content of a file
+    /// (`"sasl.password" = "/run/secrets/kafka-password"`); a property is
+    /// given here or in `properties`, not both.
+    #[serde(default)]
+    pub property_files: BTreeMap<String, PathBuf>,
 }
 
 /// librdkafka's default `message.max.bytes`.
@@ -147,6 +154,7 @@ impl fmt::Debug for KafkaSinkConfig {
             .field("message_timeout", &self.message_timeout)
             .field("dead_letter_topic", &self.dead_letter_topic)
             .field("properties", &RedactedProperties(&self.properties))
+            .field("property_files", &self.property_files)
             .finish()
     }
 }
@@ -181,7 +189,33 @@ impl KafkaSinkConfig {
             message_timeout: default_message_timeout(),
             dead_letter_topic: default_dead_letter_topic(),
             properties: BTreeMap::new(),
+            property_files: BTreeMap::new(),
         }
+    }
+
+    /// A copy with every `property_files` entry read into `properties` (the
+    /// file's content without its trailing newline) and the map cleared; an
+    /// error names the property whose file is missing or empty, or that is
+    /// also set in `properties`.
+    pub fn with_secrets_read(&self) -> Result<Self, SecretFileError> {
+        let mut properties = self.properties.clone();
+        for (property, path) in &self.property_files {
+            let given = properties.get(property).map(|v| Secret::new(v.clone()));
+            let value = value_or_named_file(
+                &format!("sink.kafka.properties.\"{property}\""),
+                &format!("sink.kafka.property_files.\"{property}\""),
+                given.as_ref(),
+                Some(path),
+            )?;
+            if let Some(value) = value {
+                properties.insert(property.clone(), value.expose().to_string());
+            }
+        }
+        Ok(Self {
+            properties,
+            property_files: BTreeMap::new(),
+            ..self.clone()
+        })
     }
 
     /// Builds the sink: validates, creates the producer and, with
@@ -240,7 +274,7 @@ impl KafkaSinkConfig {
         if i32::try_from(self.message_timeout.as_millis()).is_err() {
             return Err(invalid("message_timeout", "must be shorter than 24 days"));
         }
-        for key in self.properties.keys() {
+        for key in self.properties.keys().chain(self.property_files.keys()) {
             let name = key.trim().to_ascii_lowercase();
             if let Some((_, controlled_by)) = MANAGED_PROPERTIES.iter().find(|(p, _)| *p == name) {
                 return Err(invalid(

@@ -47,6 +47,9 @@ pub enum KafkaSinkError {
     /// A `[sink.kafka]` value is invalid.
     #[error(transparent)]
     Config(#[from] KafkaConfigError),
+    /// A file of `sink.kafka.property_files` cannot be used.
+    #[error(transparent)]
+    Secret(#[from] crate::secret::SecretFileError),
     /// librdkafka refused the client configuration.
     #[error("kafka (brokers `{brokers}`): cannot create the client: {reason}")]
     Client {
@@ -108,6 +111,7 @@ impl KafkaSink {
         topics_for: &[StreamKey],
     ) -> Result<Self, KafkaSinkError> {
         let template = config.validate()?;
+        let config = &config.with_secrets_read()?;
         let client_config = client_config(config);
         let producer: FutureProducer = client_config
             .create()
@@ -386,8 +390,40 @@ impl Drop for KafkaSink {
     }
 }
 
-/// The librdkafka configuration: ours first, then the operator's extra properties.
-fn client_config(config: &KafkaSinkConfig) -> ClientConfig {
+/// `check-config --probe`: creates a client from the config and fetches the
+/// cluster's metadata (brokers and topics), producing nothing.
+pub async fn probe(config: &KafkaSinkConfig, timeout: Duration) -> Result<String, KafkaSinkError> {
+    config.validate()?;
+    let config = config.with_secrets_read()?;
+    let client: rdkafka::producer::BaseProducer = client_config(&config)
+        .create()
+        .map_err(|e| client_error(&config, &e))?;
+    let brokers = config.brokers.clone();
+    let metadata = tokio::task::spawn_blocking(move || {
+        client
+            .client()
+            .fetch_metadata(None, timeout)
+            .map(|m| (m.brokers().len(), m.topics().len()))
+    })
+    .await;
+    match metadata {
+        Ok(Ok((broker_count, topics))) => Ok(format!(
+            "metadata from `{brokers}`: {broker_count} broker(s), {topics} topic(s)"
+        )),
+        Ok(Err(e)) => Err(KafkaSinkError::Client {
+            brokers,
+            reason: format!("metadata request failed: {e}"),
+        }),
+        Err(e) => Err(KafkaSinkError::Client {
+            brokers,
+            reason: format!("metadata request did not finish: {e}"),
+        }),
+    }
+}
+
+/// The librdkafka configuration: ours first, then the operator's extra
+/// properties (read `property_files` first, see [`KafkaSinkConfig::with_secrets_read`]).
+pub fn client_config(config: &KafkaSinkConfig) -> ClientConfig {
     let mut client = ClientConfig::new();
     client
         .set("bootstrap.servers", &config.brokers)

@@ -8,6 +8,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::{NatsSink, NatsSinkError};
+use crate::secret::{value_or_file, SecretFileError};
 pub use crate::secret::{Secret, REDACTED};
 
 /// Upper bound of every `[sink.nats]` duration.
@@ -29,10 +30,16 @@ pub struct NatsSinkConfig {
     /// Window in which the stream drops a message whose `Nats-Msg-Id` it already stored.
     #[serde(default = "default_duplicate_window", with = "humantime_serde")]
     pub duplicate_window: Duration,
-    /// NATS credentials file (JWT + nkey seed, `.creds`).
+    /// NATS user credentials (JWT + nkey seed, the content of a `.creds` file).
+    #[serde(default)]
+    pub credentials: Option<Secret>,
+    /// NATS credentials file (`.creds`), instead of `credentials`.
     #[serde(default)]
     pub credentials_file: Option<PathBuf>,
-    /// File holding an nkey user seed (`SU...`).
+    /// An nkey user seed (`SU...`).
+    #[serde(default)]
+    pub nkey_seed: Option<Secret>,
+    /// File holding an nkey user seed, instead of `nkey_seed`.
     #[serde(default)]
     pub nkey_seed_file: Option<PathBuf>,
     /// User name for user/password authentication.
@@ -41,9 +48,15 @@ pub struct NatsSinkConfig {
     /// Password for user/password authentication.
     #[serde(default)]
     pub password: Option<Secret>,
+    /// File holding the password, instead of `password`.
+    #[serde(default)]
+    pub password_file: Option<PathBuf>,
     /// Token authentication.
     #[serde(default)]
     pub token: Option<Secret>,
+    /// File holding the token, instead of `token`.
+    #[serde(default)]
+    pub token_file: Option<PathBuf>,
     /// TLS settings.
     #[serde(default)]
     pub tls: NatsTlsConfig,
@@ -115,11 +128,15 @@ impl Default for NatsSinkConfig {
             stream: default_stream(),
             subject_prefix: default_subject_prefix(),
             duplicate_window: default_duplicate_window(),
+            credentials: None,
             credentials_file: None,
+            nkey_seed: None,
             nkey_seed_file: None,
             user: None,
             password: None,
+            password_file: None,
             token: None,
+            token_file: None,
             tls: NatsTlsConfig::default(),
             max_in_flight: default_max_in_flight(),
             publish_timeout: default_publish_timeout(),
@@ -153,11 +170,35 @@ impl NatsSinkConfig {
 
     /// A copy with every secret replaced by `<redacted>`, for `check-config`.
     pub fn redacted(&self) -> Self {
+        let hide = |s: &Option<Secret>| s.as_ref().map(|_| Secret::new(REDACTED));
         Self {
-            password: self.password.as_ref().map(|_| Secret::new(REDACTED)),
-            token: self.token.as_ref().map(|_| Secret::new(REDACTED)),
+            credentials: hide(&self.credentials),
+            nkey_seed: hide(&self.nkey_seed),
+            password: hide(&self.password),
+            token: hide(&self.token),
             ..self.clone()
         }
+    }
+
+    /// A copy with every secret file read into its value (`token_file` into
+    /// `token`, and so on) and the file cleared, so the sink never reads a
+    /// file again: an error names the key whose file is missing, empty, or
+    /// set beside its value.
+    pub fn with_secrets_read(&self) -> Result<Self, SecretFileError> {
+        let read = |key: &str, value: &Option<Secret>, file: &Option<PathBuf>| {
+            value_or_file(&format!("sink.nats.{key}"), value.as_ref(), file.as_deref())
+        };
+        Ok(Self {
+            credentials: read("credentials", &self.credentials, &self.credentials_file)?,
+            credentials_file: None,
+            nkey_seed: read("nkey_seed", &self.nkey_seed, &self.nkey_seed_file)?,
+            nkey_seed_file: None,
+            password: read("password", &self.password, &self.password_file)?,
+            password_file: None,
+            token: read("token", &self.token, &self.token_file)?,
+            token_file: None,
+            ..self.clone()
+        })
     }
 
     /// The server URLs, split at commas and trimmed.
@@ -229,17 +270,24 @@ impl NatsSinkConfig {
     }
 
     fn validate_auth(&self) -> Result<(), NatsConfigError> {
-        if self.password.is_some() && self.user.is_none() {
+        let password = self.password.is_some() || self.password_file.is_some();
+        if password && self.user.is_none() {
             return Err(invalid("password", "given without `user`"));
         }
-        if self.user.is_some() && self.password.is_none() {
+        if self.user.is_some() && !password {
             return Err(invalid("user", "given without `password`"));
         }
         let methods = [
-            ("credentials_file", self.credentials_file.is_some()),
-            ("nkey_seed_file", self.nkey_seed_file.is_some()),
+            (
+                "credentials_file",
+                self.credentials.is_some() || self.credentials_file.is_some(),
+            ),
+            (
+                "nkey_seed_file",
+                self.nkey_seed.is_some() || self.nkey_seed_file.is_some(),
+            ),
             ("user", self.user.is_some()),
-            ("token", self.token.is_some()),
+            ("token", self.token.is_some() || self.token_file.is_some()),
         ];
         let chosen: Vec<&str> = methods
             .iter()
@@ -250,7 +298,7 @@ impl NatsSinkConfig {
             return Err(invalid(
                 "credentials_file",
                 format!(
-                    "choose one authentication method, got {}: valid options are credentials_file, nkey_seed_file, user + password, token",
+                    "choose one authentication method, got {}: valid options are credentials_file (or credentials), nkey_seed_file (or nkey_seed), user + password, token",
                     chosen.join(", ")
                 ),
             ));

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::connection::State;
-use async_nats::jetstream::context::{Publish, PublishErrorKind};
+use async_nats::jetstream::context::{GetStreamErrorKind, Publish, PublishErrorKind};
 use async_nats::jetstream::ErrorCode;
 use async_nats::{Client, ConnectErrorKind, ConnectOptions, Event as ClientEvent, ServerAddr};
 use async_trait::async_trait;
@@ -46,6 +46,9 @@ pub enum NatsSinkError {
     /// A `[sink.nats]` value is invalid.
     #[error(transparent)]
     Config(#[from] NatsConfigError),
+    /// A secret file of `[sink.nats]` cannot be used.
+    #[error(transparent)]
+    Secret(#[from] crate::secret::SecretFileError),
     /// No server could be reached, or it refused us.
     #[error("nats: cannot connect to {urls}: {reason}")]
     Connect {
@@ -93,6 +96,7 @@ impl NatsSink {
     /// Validates `config`, connects, and creates or updates the stream.
     pub async fn connect(config: &NatsSinkConfig) -> Result<Self, NatsSinkError> {
         config.validate()?;
+        let config = &config.with_secrets_read()?;
         let client = connect_with_retry(config).await?;
         let mut js = async_nats::jetstream::new(client.clone());
         js.set_timeout(config.publish_timeout);
@@ -239,6 +243,17 @@ fn error_chain(error: &dyn std::error::Error) -> String {
     text
 }
 
+/// True when a connect error text says the TLS handshake failed over a
+/// certificate (unknown issuer, expired, wrong name, or the server refused
+/// ours): rustls reports these as I/O errors, but retrying cannot help.
+pub fn is_certificate_failure(text: &str) -> bool {
+    let text = text.to_ascii_lowercase();
+    text.contains("invalid peer certificate")
+        || text.contains("certificate")
+            && (text.contains("expired") || text.contains("unknown") || text.contains("bad"))
+        || text.contains("received fatal alert")
+}
+
 /// True when retrying the same publish cannot succeed, for any event.
 ///
 /// Only the optimistic-concurrency failures this sink never asks for are
@@ -300,6 +315,37 @@ impl Sink for NatsSink {
     }
 }
 
+/// `check-config --probe`: connects as the sink would (giving up after at
+/// most 5 seconds) and looks the stream up, without creating or changing it.
+pub async fn probe(config: &NatsSinkConfig) -> Result<String, NatsSinkError> {
+    config.validate()?;
+    let config = NatsSinkConfig {
+        connect_timeout: config.connect_timeout.min(Duration::from_secs(5)),
+        ..config.with_secrets_read()?
+    };
+    let client = connect_with_retry(&config).await?;
+    let info = client.server_info();
+    let server = format!("{}:{} (nats-server {})", info.host, info.port, info.version);
+    let js = async_nats::jetstream::new(client);
+    match js.get_stream(&config.stream).await {
+        Ok(stream) => Ok(format!(
+            "connected to {server}; stream `{}` holds {} messages",
+            config.stream,
+            stream.cached_info().state.messages
+        )),
+        Err(e) => match e.kind() {
+            GetStreamErrorKind::JetStream(inner) if inner.error_code() == ErrorCode::STREAM_NOT_FOUND => Ok(format!(
+                "connected to {server}; stream `{}` does not exist yet (the daemon creates it at start)",
+                config.stream
+            )),
+            _ => Err(NatsSinkError::Stream {
+                stream: config.stream.clone(),
+                reason: format!("lookup failed: {e}"),
+            }),
+        },
+    }
+}
+
 /// Connects, retrying unreachable servers until `connect_timeout` has passed.
 async fn connect_with_retry(config: &NatsSinkConfig) -> Result<Client, NatsSinkError> {
     let connect_error = |reason: String| NatsSinkError::Connect {
@@ -315,17 +361,24 @@ async fn connect_with_retry(config: &NatsSinkConfig) -> Result<Client, NatsSinkE
     let deadline = Instant::now() + config.connect_timeout;
     let mut delay = Duration::from_millis(250);
     loop {
-        let options = connect_options(config).await.map_err(connect_error)?;
+        let options = connect_options(config).map_err(connect_error)?;
         let error = match options.connect(addrs.clone()).await {
             Ok(client) => return Ok(client),
             Err(e) => e,
         };
+        let text = error_chain(&error);
+        if is_certificate_failure(&text) {
+            // Arrives as an I/O error, but no retry fixes a certificate.
+            return Err(connect_error(format!(
+                "tls: {text} (check sink.nats.tls.ca_file and the server's certificate)"
+            )));
+        }
         let retriable = matches!(
             error.kind(),
             ConnectErrorKind::Io | ConnectErrorKind::TimedOut | ConnectErrorKind::Dns
         );
         if !retriable {
-            return Err(connect_error(error.to_string()));
+            return Err(connect_error(text));
         }
         if Instant::now() + delay > deadline {
             return Err(connect_error(format!(
@@ -340,7 +393,7 @@ async fn connect_with_retry(config: &NatsSinkConfig) -> Result<Client, NatsSinkE
 }
 
 /// Client options from the config: authentication, TLS, timeouts, event logging.
-async fn connect_options(config: &NatsSinkConfig) -> Result<ConnectOptions, String> {
+fn connect_options(config: &NatsSinkConfig) -> Result<ConnectOptions, String> {
     let mut options = ConnectOptions::new()
         .name("voucher-cdc")
         .connection_timeout(config.connect_timeout.min(Duration::from_secs(10)))
@@ -358,22 +411,14 @@ async fn connect_options(config: &NatsSinkConfig) -> Result<ConnectOptions, Stri
                 other => tracing::debug!(sink = SINK, event = %other, "nats client event"),
             }
         });
-    if let Some(path) = &config.credentials_file {
-        options = options.credentials_file(path).await.map_err(|e| {
-            format!(
-                "cannot read sink.nats.credentials_file `{}`: {e}",
-                path.display()
-            )
-        })?;
+    // Secret files were read into their values by `with_secrets_read`.
+    if let Some(creds) = &config.credentials {
+        options = options
+            .credentials(creds.expose())
+            .map_err(|e| format!("sink.nats.credentials: not a valid .creds file: {e}"))?;
     }
-    if let Some(path) = &config.nkey_seed_file {
-        let seed = tokio::fs::read_to_string(path).await.map_err(|e| {
-            format!(
-                "cannot read sink.nats.nkey_seed_file `{}`: {e}",
-                path.display()
-            )
-        })?;
-        options = options.nkey(seed.trim().to_string());
+    if let Some(seed) = &config.nkey_seed {
+        options = options.nkey(seed.expose().trim().to_string());
     }
     if let (Some(user), Some(password)) = (&config.user, &config.password) {
         options = options.user_and_password(user.clone(), password.expose().to_string());
@@ -449,6 +494,23 @@ mod tests {
             subject_for("voucher_cdc", &event(1, EventType::ReplayStarted)),
             "voucher_cdc.1.replay.started"
         );
+    }
+
+    #[test]
+    fn certificate_failures_are_told_apart_from_an_unreachable_server() {
+        assert!(is_certificate_failure(
+            "IO error: invalid peer certificate: UnknownIssuer"
+        ));
+        assert!(is_certificate_failure(
+            "IO error: invalid peer certificate: Expired"
+        ));
+        assert!(is_certificate_failure(
+            "IO error: received fatal alert: BadCertificate"
+        ));
+        assert!(!is_certificate_failure(
+            "IO error: Connection refused (os error 111)"
+        ));
+        assert!(!is_certificate_failure("timed out"));
     }
 
     #[test]
