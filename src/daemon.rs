@@ -123,6 +123,7 @@ impl AdminFailure {
 pub fn sweep_settings(config: &Config) -> SweepSettings {
     SweepSettings {
         on_record_error: config.sink.on_record_error,
+        schema_base: config.events.schema_base(config.admin.listen),
         ..SweepSettings::from(&config.poll)
     }
 }

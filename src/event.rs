@@ -10,6 +10,7 @@ use serde::Serialize;
 use serde_json::value::RawValue;
 
 use crate::hash::{truncated, ContentHash};
+use crate::schema::{DataSchema, SchemaBase};
 use crate::stream::{Resource, StreamKey, TenantId};
 
 /// What kind of change an event reports (the `op` attribute).
@@ -137,6 +138,8 @@ pub struct CloudEvent<'a> {
     pub time: String,
     /// Always `application/json`.
     pub datacontenttype: &'static str,
+    /// URI of the JSON Schema of `data` (not part of the id).
+    pub dataschema: String,
     /// `{tenant}:{singular resource}:{record id}`.
     pub partitionkey: &'a str,
     /// Tenant id.
@@ -238,14 +241,23 @@ pub struct RecordChange<'a> {
     pub data: &'a RawValue,
     /// Detection time, used as `time` when the record has no `updated_at`.
     pub detected_at: DateTime<Utc>,
+    /// Where `dataschema` points.
+    pub schema_base: &'a SchemaBase,
 }
 
 /// Builds the event for one record change.
 pub fn record_event(change: &RecordChange<'_>) -> Event {
-    let ty = if change.op == Op::Delete {
-        EventType::Deleted(change.stream.resource)
+    let (ty, schema) = if change.op == Op::Delete {
+        (
+            EventType::Deleted(change.stream.resource),
+            DataSchema::Delete,
+        )
     } else {
-        EventType::Updated(change.stream.resource)
+        let schema = match change.stream.resource {
+            Resource::Vouchers => DataSchema::Voucher,
+            Resource::Categories => DataSchema::Category,
+        };
+        (EventType::Updated(change.stream.resource), schema)
     };
     let record_id = change.record_id.to_string();
     let content_hash = change.content_hash.to_hex();
@@ -286,6 +298,7 @@ pub fn record_event(change: &RecordChange<'_>) -> Event {
         subject: &record_id,
         time,
         datacontenttype: "application/json",
+        dataschema: change.schema_base.uri(schema),
         partitionkey: &partition_key,
         tenant: change.stream.tenant,
         op: Some(change.op),
@@ -327,6 +340,7 @@ pub fn replay_event(
     completed: bool,
     records: u64,
     now: DateTime<Utc>,
+    schema_base: &SchemaBase,
 ) -> Event {
     let ty = if completed {
         EventType::ReplayCompleted
@@ -365,6 +379,7 @@ pub fn replay_event(
         subject: replay_id,
         time: format_time(now),
         datacontenttype: "application/json",
+        dataschema: schema_base.uri(DataSchema::Replay),
         partitionkey: &partition_key,
         tenant: stream.tenant,
         op: None,
@@ -530,6 +545,7 @@ mod tests {
             replay: None,
             data,
             detected_at: DateTime::from_timestamp(1_714_600_000, 0).unwrap_or_default(),
+            schema_base: &crate::schema::DEFAULT_SCHEMA_BASE,
         }
     }
 
@@ -551,6 +567,7 @@ mod tests {
             false,
             0,
             Utc::now(),
+            &crate::schema::DEFAULT_SCHEMA_BASE,
         );
         assert!(!started.is_delete());
     }
@@ -611,6 +628,7 @@ mod tests {
                 "subject": "9",
                 "time": "2024-05-01T10:00:00Z",
                 "datacontenttype": "application/json",
+                "dataschema": "http://127.0.0.1:9464/v1/schemas/voucher.schema.json",
                 "partitionkey": "7:voucher:9",
                 "tenant": 7,
                 "op": "update",

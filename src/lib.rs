@@ -13,6 +13,7 @@ pub mod event;
 pub mod hash;
 pub mod planner;
 pub mod scheduler;
+pub mod schema;
 pub mod secret;
 pub mod shard;
 pub mod simulator;
