@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::sinks::binding::ContentMode;
+
 use super::{KafkaSink, KafkaSinkError};
 use crate::stream::StreamKey;
 
@@ -70,6 +72,10 @@ pub struct KafkaSinkConfig {
     /// Extra librdkafka properties (SASL, SSL, tuning), passed as given.
     #[serde(default)]
     pub properties: BTreeMap<String, String>,
+    /// `structured` (the value is the event JSON) or `binary` (the value is
+    /// `data`, every attribute a `ce_` header), per the CloudEvents Kafka binding.
+    #[serde(default)]
+    pub content_mode: ContentMode,
 }
 
 /// librdkafka's default `message.max.bytes`.
@@ -147,6 +153,7 @@ impl fmt::Debug for KafkaSinkConfig {
             .field("message_timeout", &self.message_timeout)
             .field("dead_letter_topic", &self.dead_letter_topic)
             .field("properties", &RedactedProperties(&self.properties))
+            .field("content_mode", &self.content_mode)
             .finish()
     }
 }
@@ -181,6 +188,7 @@ impl KafkaSinkConfig {
             message_timeout: default_message_timeout(),
             dead_letter_topic: default_dead_letter_topic(),
             properties: BTreeMap::new(),
+            content_mode: ContentMode::default(),
         }
     }
 
