@@ -277,7 +277,8 @@ impl Components {
                     Some(progress) => sweeper.with_progress(progress.clone()),
                     None => sweeper,
                 };
-                let runner = StreamRunner::new(sweeper, timing);
+                let runner = StreamRunner::new(sweeper, timing)
+                    .with_heartbeat(config.events.heartbeat_interval);
                 Some(match planner {
                     Some(planner) => runner.with_planner(planner),
                     None => runner,

@@ -9,7 +9,8 @@ use chrono::Utc;
 use serde_json::value::RawValue;
 use serde_json::Value;
 use voucher_cdc::event::{
-    dead_letter_event, record_event, replay_event, Event, EventType, Op, RecordChange,
+    dead_letter_event, heartbeat_event, record_event, replay_event, Event, EventType, Op,
+    RecordChange, StreamPulse,
 };
 use voucher_cdc::hash::ContentHash;
 use voucher_cdc::schema::{DEFAULT_SCHEMA_BASE, SCHEMAS};
@@ -80,6 +81,18 @@ fn every_kind_of_event() -> Vec<Event> {
                 &DEFAULT_SCHEMA_BASE,
             ));
         }
+    }
+    for resource in Resource::ALL {
+        events.push(heartbeat_event(
+            StreamKey::new(42, resource),
+            StreamPulse {
+                watermark: None,
+                last_sweep: None,
+                last_event: None,
+            },
+            Utc::now(),
+            &DEFAULT_SCHEMA_BASE,
+        ));
     }
     let letter = dead_letter_event(&events[0], "too large", Some(1)).unwrap();
     events.push(letter);

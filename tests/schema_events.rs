@@ -9,7 +9,9 @@ mod common;
 use chrono::{TimeZone, Utc};
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
-use voucher_cdc::event::{record_event, replay_event, Event, Op, RecordChange};
+use voucher_cdc::event::{
+    heartbeat_event, record_event, replay_event, Event, Op, RecordChange, StreamPulse,
+};
 use voucher_cdc::hash::{content_hash, ContentHash, IgnoreKeys};
 use voucher_cdc::schema::DEFAULT_SCHEMA_BASE;
 use voucher_cdc::state::replay_id_bytes;
@@ -423,4 +425,44 @@ async fn the_simulators_list_responses_match_the_record_schemas() {
         }
     }
     assert_eq!(checked, 2 * 2 * (60 + 12));
+}
+
+#[test]
+fn heartbeats_match_the_schema_with_and_without_a_watermark() {
+    let now = Utc.with_ymd_and_hms(2025, 3, 1, 11, 0, 0).unwrap();
+    let quiet = StreamPulse {
+        watermark: Some(now - chrono::Duration::minutes(5)),
+        last_sweep: Some(now - chrono::Duration::minutes(1)),
+        last_event: Some(now - chrono::Duration::hours(2)),
+    };
+    let fresh = StreamPulse {
+        watermark: None,
+        last_sweep: None,
+        last_event: None,
+    };
+    for (resource, pulse) in [(Resource::Vouchers, quiet), (Resource::Categories, fresh)] {
+        let event = heartbeat_event(
+            StreamKey::new(42, resource),
+            pulse,
+            now,
+            &DEFAULT_SCHEMA_BASE,
+        );
+        assert_valid_event(&event.payload);
+        let doc = as_json(&event);
+        assert_eq!(doc["type"], "stream.heartbeat");
+        assert!(doc["dataschema"]
+            .as_str()
+            .unwrap()
+            .ends_with("/heartbeat.schema.json"));
+    }
+    let mut doc = as_json(&heartbeat_event(
+        StreamKey::new(42, Resource::Vouchers),
+        quiet,
+        now,
+        &DEFAULT_SCHEMA_BASE,
+    ));
+    assert_eq!(doc["data"]["watermark"], "2025-03-01T10:55:00.000000Z");
+    doc["data"]["lastsweep"] = json!("yesterday");
+    let problems = validate_event_json(&doc).unwrap_err();
+    assert!(problems.contains("/data/lastsweep"), "{problems}");
 }

@@ -262,6 +262,11 @@ impl Sweeper {
         &self.store
     }
 
+    /// The settings it sweeps with.
+    pub fn settings(&self) -> &SweepSettings {
+        &self.settings
+    }
+
     /// The event sink.
     pub fn sink(&self) -> &Arc<dyn Sink> {
         &self.sink

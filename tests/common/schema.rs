@@ -41,7 +41,10 @@ pub fn event_schema() -> &'static Value {
 /// A draft 2020-12 validator of the schema named `name`, every other
 /// published schema registered so its references resolve.
 pub fn validator_for(name: &str) -> jsonschema::Validator {
-    let mut options = jsonschema::options().with_draft(jsonschema::Draft::Draft202012);
+    // `format` asserts (date-time, uri), not only annotates.
+    let mut options = jsonschema::options()
+        .with_draft(jsonschema::Draft::Draft202012)
+        .should_validate_formats(true);
     for (file, _) in SCHEMAS {
         if *file != name {
             options = options.with_resource(
