@@ -3,8 +3,8 @@
 //! and the `status` / `replay` commands can work while the daemon holds the
 //! state store.
 //!
-//! Every `/v1` endpoint requires `Authorization: Bearer <admin.token>` when a
-//! token is configured; errors are JSON `{"message": ...}` (422 adds
+//! Every `/v1` endpoint but the published schemas (`/v1/schemas/{name}`)
+//! requires `Authorization: Bearer <admin.token>` when a token is configured; errors are JSON `{"message": ...}` (422 adds
 //! `errors: {field: [..]}`), like the upstream API's MessageError.
 
 use std::collections::{BTreeMap, HashMap};
@@ -307,6 +307,7 @@ pub fn router(state: Arc<AdminState>) -> Router {
         .route("/metrics", get(metrics_endpoint))
         .route("/v1/status", get(status))
         .route("/v1/tenants/{tenant}/replay", post(replay))
+        .route("/v1/schemas/{name}", get(schema_document))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
@@ -340,8 +341,30 @@ pub fn connect_address(listen: SocketAddr) -> SocketAddr {
 async fn not_found() -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
-        "no such endpoint: valid ones are /healthz, /readyz, /metrics, GET /v1/status, POST /v1/tenants/{tenant}/replay",
+        "no such endpoint: valid ones are /healthz, /readyz, /metrics, GET /v1/status, POST /v1/tenants/{tenant}/replay, GET /v1/schemas/{name}",
     )
+}
+
+/// A published JSON Schema (`schemas/{name}` of the repository), without a
+/// token: events point consumers here through `dataschema`, and the schemas
+/// hold nothing secret.
+async fn schema_document(Path(name): Path<String>) -> Result<Response, ApiError> {
+    match crate::schema::schema(&name) {
+        Some(text) => {
+            Ok(([(header::CONTENT_TYPE, "application/schema+json")], text).into_response())
+        }
+        None => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!(
+                "no schema named `{name}`: valid ones are {}",
+                crate::schema::SCHEMAS
+                    .iter()
+                    .map(|(file, _)| *file)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        )),
+    }
 }
 
 async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {

@@ -123,6 +123,7 @@ impl AdminFailure {
 pub fn sweep_settings(config: &Config) -> SweepSettings {
     SweepSettings {
         on_record_error: config.sink.on_record_error,
+        schema_base: config.events.schema_base(config.admin.listen),
         ..SweepSettings::from(&config.poll)
     }
 }
@@ -299,7 +300,8 @@ impl Components {
                     Some(progress) => sweeper.with_progress(progress.clone()),
                     None => sweeper,
                 };
-                let runner = StreamRunner::new(sweeper, timing);
+                let runner = StreamRunner::new(sweeper, timing)
+                    .with_heartbeat(config.events.heartbeat_interval);
                 Some(match planner {
                     Some(planner) => runner.with_planner(planner),
                     None => runner,

@@ -10,6 +10,7 @@ use serde::Serialize;
 use serde_json::value::RawValue;
 
 use crate::hash::{truncated, ContentHash};
+use crate::schema::{DataSchema, SchemaBase};
 use crate::stream::{Resource, StreamKey, TenantId};
 
 /// What kind of change an event reports (the `op` attribute).
@@ -49,6 +50,8 @@ pub enum EventType {
     ReplayStarted,
     /// `replay.completed`.
     ReplayCompleted,
+    /// `stream.heartbeat`: a quiet stream is still watched.
+    Heartbeat,
     /// A dead letter standing in for an event the sink can never accept; its
     /// payload keeps the original `type`, this only routes it
     /// (`{prefix}.{tenant}.deadletter`, the Kafka dead-letter topic).
@@ -65,6 +68,7 @@ impl EventType {
             EventType::Deleted(Resource::Categories) => "category.deleted",
             EventType::ReplayStarted => "replay.started",
             EventType::ReplayCompleted => "replay.completed",
+            EventType::Heartbeat => "stream.heartbeat",
             EventType::DeadLetter => "deadletter",
         }
     }
@@ -137,6 +141,8 @@ pub struct CloudEvent<'a> {
     pub time: String,
     /// Always `application/json`.
     pub datacontenttype: &'static str,
+    /// URI of the JSON Schema of `data` (not part of the id).
+    pub dataschema: String,
     /// `{tenant}:{singular resource}:{record id}`.
     pub partitionkey: &'a str,
     /// Tenant id.
@@ -238,14 +244,23 @@ pub struct RecordChange<'a> {
     pub data: &'a RawValue,
     /// Detection time, used as `time` when the record has no `updated_at`.
     pub detected_at: DateTime<Utc>,
+    /// Where `dataschema` points.
+    pub schema_base: &'a SchemaBase,
 }
 
 /// Builds the event for one record change.
 pub fn record_event(change: &RecordChange<'_>) -> Event {
-    let ty = if change.op == Op::Delete {
-        EventType::Deleted(change.stream.resource)
+    let (ty, schema) = if change.op == Op::Delete {
+        (
+            EventType::Deleted(change.stream.resource),
+            DataSchema::Delete,
+        )
     } else {
-        EventType::Updated(change.stream.resource)
+        let schema = match change.stream.resource {
+            Resource::Vouchers => DataSchema::Voucher,
+            Resource::Categories => DataSchema::Category,
+        };
+        (EventType::Updated(change.stream.resource), schema)
     };
     let record_id = change.record_id.to_string();
     let content_hash = change.content_hash.to_hex();
@@ -286,6 +301,7 @@ pub fn record_event(change: &RecordChange<'_>) -> Event {
         subject: &record_id,
         time,
         datacontenttype: "application/json",
+        dataschema: change.schema_base.uri(schema),
         partitionkey: &partition_key,
         tenant: change.stream.tenant,
         op: Some(change.op),
@@ -327,6 +343,7 @@ pub fn replay_event(
     completed: bool,
     records: u64,
     now: DateTime<Utc>,
+    schema_base: &SchemaBase,
 ) -> Event {
     let ty = if completed {
         EventType::ReplayCompleted
@@ -340,47 +357,151 @@ pub fn replay_event(
         since,
         records,
     };
-    let data_json = serde_json::to_string(&data).unwrap_or_else(|_| "{}".to_string());
+    stream_event(
+        &StreamFrame {
+            stream,
+            ty,
+            subject: replay_id,
+            key_suffix: "replay",
+            time: format_time(now),
+            schema: DataSchema::Replay,
+            replay_id: Some(replay_id),
+            // The completed count is part of the data but not of the identity: a
+            // replay completes once, whatever count a retried attempt reports.
+            identity: FrameIdentity::ReplayOnly,
+        },
+        &data,
+        schema_base,
+    )
+}
+
+/// What a stream-level event's id is derived from, besides its stream and type.
+#[derive(Debug, Clone, Copy)]
+enum FrameIdentity {
+    /// The replay id alone (a replay frame is announced once per replay).
+    ReplayOnly,
+    /// The time and the data (every heartbeat is new).
+    TimeAndData,
+}
+
+/// A stream-level event (replay frame, heartbeat): no record, no `op`.
+struct StreamFrame<'a> {
+    stream: StreamKey,
+    ty: EventType,
+    subject: &'a str,
+    /// Last part of the partition key: `{tenant}:{voucher|category}:{key_suffix}`.
+    key_suffix: &'static str,
+    time: String,
+    schema: DataSchema,
+    replay_id: Option<&'a str>,
+    identity: FrameIdentity,
+}
+
+/// Builds a stream-level event carrying `data`.
+fn stream_event(frame: &StreamFrame<'_>, data: &impl Serialize, schema_base: &SchemaBase) -> Event {
+    let stream = frame.stream;
+    let data_json = serde_json::to_string(data).unwrap_or_else(|_| "{}".to_string());
     let data_raw = RawValue::from_string(data_json).unwrap_or_else(|_| empty_object());
     let content_hash = hex::encode(truncated(&blake3::hash(data_raw.get().as_bytes())));
+    let (updated_at, identity_hash) = match frame.identity {
+        FrameIdentity::ReplayOnly => (None, ""),
+        FrameIdentity::TimeAndData => (Some(frame.time.as_str()), content_hash.as_str()),
+    };
     let id = event_id(&EventIdParts {
         tenant: stream.tenant,
         resource: stream.resource,
-        record_id: ty.as_str(),
+        record_id: frame.ty.as_str(),
         generation: 0,
         seq: 0,
-        updated_at: None,
-        // The completed count is part of the data but not of the identity: a
-        // replay completes once, whatever count a retried attempt reports.
-        content_hash: "",
+        updated_at,
+        content_hash: identity_hash,
         previous_hash: None,
-        replay_id: Some(replay_id),
+        replay_id: frame.replay_id,
     });
-    let partition_key = format!("{}:{}:replay", stream.tenant, stream.resource.singular());
+    let partition_key = format!(
+        "{}:{}:{}",
+        stream.tenant,
+        stream.resource.singular(),
+        frame.key_suffix
+    );
     let doc = CloudEvent {
         specversion: "1.0",
         id: &id,
         source: source(stream),
-        ty: ty.as_str(),
-        subject: replay_id,
-        time: format_time(now),
+        ty: frame.ty.as_str(),
+        subject: frame.subject,
+        time: frame.time.clone(),
         datacontenttype: "application/json",
+        dataschema: schema_base.uri(frame.schema),
         partitionkey: &partition_key,
         tenant: stream.tenant,
         op: None,
         contenthash: &content_hash,
         previoushash: None,
-        replayid: Some(replay_id),
+        replayid: frame.replay_id,
         data: &data_raw,
     };
     Event {
         payload: encode(&doc),
         id,
         stream,
-        ty,
+        ty: frame.ty,
         op: None,
         partition_key,
     }
+}
+
+/// Data of a `stream.heartbeat` event.
+#[derive(Debug, Serialize)]
+struct HeartbeatData {
+    tenant: TenantId,
+    resource: Resource,
+    watermark: Option<String>,
+    lastsweep: Option<String>,
+    lastevent: Option<String>,
+}
+
+/// What a heartbeat reports about its stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamPulse {
+    /// The stream's watermark, if it has one.
+    pub watermark: Option<DateTime<Utc>>,
+    /// When its last successful sweep finished.
+    pub last_sweep: Option<DateTime<Utc>>,
+    /// When this process last published one of its events.
+    pub last_event: Option<DateTime<Utc>>,
+}
+
+/// Builds the `stream.heartbeat` event of `stream` at `now` (events.heartbeat_interval).
+///
+/// Its id is deterministic in (stream, `now`): two heartbeats never share one.
+pub fn heartbeat_event(
+    stream: StreamKey,
+    pulse: StreamPulse,
+    now: DateTime<Utc>,
+    schema_base: &SchemaBase,
+) -> Event {
+    let data = HeartbeatData {
+        tenant: stream.tenant,
+        resource: stream.resource,
+        watermark: pulse.watermark.map(format_time),
+        lastsweep: pulse.last_sweep.map(format_time),
+        lastevent: pulse.last_event.map(format_time),
+    };
+    stream_event(
+        &StreamFrame {
+            stream,
+            ty: EventType::Heartbeat,
+            subject: stream.resource.as_str(),
+            key_suffix: "heartbeat",
+            time: format_time(now),
+            schema: DataSchema::Heartbeat,
+            replay_id: None,
+            identity: FrameIdentity::TimeAndData,
+        },
+        &data,
+        schema_base,
+    )
 }
 
 /// The attributes of a record event a dead letter copies (everything but `data`).
@@ -530,6 +651,7 @@ mod tests {
             replay: None,
             data,
             detected_at: DateTime::from_timestamp(1_714_600_000, 0).unwrap_or_default(),
+            schema_base: &crate::schema::DEFAULT_SCHEMA_BASE,
         }
     }
 
@@ -551,6 +673,7 @@ mod tests {
             false,
             0,
             Utc::now(),
+            &crate::schema::DEFAULT_SCHEMA_BASE,
         );
         assert!(!started.is_delete());
     }
@@ -611,6 +734,7 @@ mod tests {
                 "subject": "9",
                 "time": "2024-05-01T10:00:00Z",
                 "datacontenttype": "application/json",
+                "dataschema": "http://127.0.0.1:9464/v1/schemas/voucher.schema.json",
                 "partitionkey": "7:voucher:9",
                 "tenant": 7,
                 "op": "update",

@@ -14,6 +14,7 @@ pub mod hash;
 pub mod planner;
 pub mod probe;
 pub mod scheduler;
+pub mod schema;
 pub mod secret;
 pub mod shard;
 pub mod simulator;

@@ -23,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn, Instrument};
 
 use crate::config::PollConfig;
+use crate::event::{heartbeat_event, StreamPulse};
 use crate::planner::{Grant, Need, Planner, SweepFacts};
 use crate::state::{StateError, StreamState};
 use crate::stream::StreamKey;
@@ -208,6 +209,8 @@ pub struct StreamRunner {
     timing: Timing,
     /// The token's planner (`poll.strategy = "adaptive"`); None: the stream's own timer.
     planner: Option<Planner>,
+    /// `events.heartbeat_interval`: a `stream.heartbeat` after this long without an event.
+    heartbeat: Option<Duration>,
 }
 
 impl StreamRunner {
@@ -217,7 +220,15 @@ impl StreamRunner {
             sweeper,
             timing,
             planner: None,
+            heartbeat: None,
         }
+    }
+
+    /// Publishes a `stream.heartbeat` whenever the stream produced no event
+    /// for `interval` (None: never).
+    pub fn with_heartbeat(mut self, interval: Option<Duration>) -> Self {
+        self.heartbeat = interval;
+        self
     }
 
     /// Takes turns from the token's `planner` instead of its own timer.
@@ -362,27 +373,98 @@ impl StreamRunner {
         }
     }
 
-    /// The stream's loop until `shutdown`: sweep, wait (or wake for a replay), repeat.
+    /// Publishes the stream's `stream.heartbeat` (its watermark, last sweep
+    /// and `last_event`) and waits for the ack, at most the publish timeout.
+    /// Returns whether the sink acknowledged it; a failure is logged and the
+    /// next heartbeat comes an interval later (no retry storm).
+    pub async fn publish_heartbeat(&self, last_event: Option<DateTime<Utc>>) -> bool {
+        let key = self.key();
+        let state = self.sweeper.ledger().state().unwrap_or_else(|e| {
+            warn!(tenant = key.tenant, resource = %key.resource, error = %e,
+                "cannot read the stream state; the heartbeat reports no watermark");
+            StreamState::default()
+        });
+        let pulse = StreamPulse {
+            watermark: state.watermark,
+            last_sweep: state.last_sweep_finished,
+            last_event,
+        };
+        let settings = self.sweeper.settings();
+        let event = heartbeat_event(key, pulse, Utc::now(), &settings.schema_base);
+        let published = tokio::time::timeout(
+            settings.publish_timeout,
+            self.sweeper.sink().publish(std::slice::from_ref(&event)),
+        )
+        .await;
+        let failure = match published {
+            Ok(acks) => match acks.into_iter().next() {
+                Some(Ok(())) => None,
+                Some(Err(e)) => Some(e.to_string()),
+                None => Some("the sink returned no ack".to_string()),
+            },
+            Err(_) => Some(format!(
+                "no ack within {}",
+                telemetry::human_duration(settings.publish_timeout)
+            )),
+        };
+        match failure {
+            None => {
+                metrics::counter!(telemetry::metric::EVENTS_PUBLISHED,
+                    "tenant" => key.tenant.to_string(), "resource" => key.resource.as_str(),
+                    "type" => event.ty.as_str(), "op" => "none")
+                .increment(1);
+                true
+            }
+            Some(error) => {
+                warn!(tenant = key.tenant, resource = %key.resource, error = %error,
+                    "heartbeat not published; the next one is due an interval later");
+                false
+            }
+        }
+    }
+
+    /// The stream's loop until `shutdown`: sweep, wait (or wake for a replay,
+    /// or publish a heartbeat while quiet), repeat.
     async fn run(self, mut requests: mpsc::Receiver<ReplayRequest>, shutdown: CancellationToken) {
         let mut delay = Duration::ZERO;
         let mut failures: u32 = 0;
-        loop {
-            let turn = tokio::select! {
-                biased;
-                _ = shutdown.cancelled() => return,
-                Some(request) = requests.recv() => {
-                    self.apply_replay(request);
-                    while let Ok(request) = requests.try_recv() {
+        // Since when the stream published nothing, and when it last did.
+        let mut quiet_since = tokio::time::Instant::now();
+        let mut last_event: Option<DateTime<Utc>> = None;
+        'turns: loop {
+            let next_turn = self.next_turn(delay);
+            tokio::pin!(next_turn);
+            let turn = loop {
+                let heartbeat_due = async {
+                    match self.heartbeat {
+                        Some(interval) => tokio::time::sleep_until(quiet_since + interval).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    biased;
+                    _ = shutdown.cancelled() => return,
+                    Some(request) = requests.recv() => {
                         self.apply_replay(request);
+                        while let Ok(request) = requests.try_recv() {
+                            self.apply_replay(request);
+                        }
+                        if self.planner.is_some() {
+                            // The replay's snapshot sweep asks the planner for its turn.
+                            delay = Duration::ZERO;
+                            continue 'turns;
+                        }
+                        break Turn::due();
                     }
-                    if self.planner.is_some() {
-                        // The replay's snapshot sweep asks the planner for its turn.
-                        delay = Duration::ZERO;
-                        continue;
+                    _ = heartbeat_due => {
+                        // Waiting for the turn goes on: the heartbeat does not move it.
+                        if self.publish_heartbeat(last_event).await {
+                            last_event = Some(Utc::now());
+                        }
+                        quiet_since = tokio::time::Instant::now();
                     }
-                    Turn::due()
+                    turn = &mut next_turn => break turn,
                 }
-                turn = self.next_turn(delay) => turn,
             };
 
             let step_cancel = shutdown.child_token();
@@ -405,6 +487,10 @@ impl StreamRunner {
             };
             if let (Some(planner), Some(grant)) = (&self.planner, turn.grant) {
                 planner.finished(self.key(), grant, turn.facts(&outcome));
+            }
+            if matches!(&outcome, StepOutcome::Swept(report) if report.events() > 0) {
+                quiet_since = tokio::time::Instant::now();
+                last_event = Some(Utc::now());
             }
             if shutdown.is_cancelled() {
                 for request in waiting {

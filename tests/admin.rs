@@ -165,3 +165,50 @@ async fn replay_requests_are_validated_with_json_errors_naming_the_field() {
         .starts_with("no such endpoint"));
     daemon.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_events_dataschema_resolves_to_the_published_schema_without_a_token() {
+    let sim = spawn_small_simulator(1).await;
+    let dir = tempfile::tempdir().unwrap();
+    // A fixed port: `dataschema` names the address the admin API really has.
+    let config = TestConfig::for_simulator(&sim, dir.path(), &[1])
+        .with_admin_port(common::free_port())
+        .with_admin_token(TOKEN);
+    let mut daemon = spawn_daemon(&config).await;
+    let admin = daemon.admin_url.clone();
+    wait_until("tenant 1 synced", Duration::from_secs(30), || {
+        daemon.events().len() == 25
+    })
+    .await;
+    let http = Client::new();
+    let mut resolved = std::collections::BTreeSet::new();
+    for event in daemon.events() {
+        let uri = event["dataschema"].as_str().unwrap().to_string();
+        assert!(uri.starts_with(&format!("{admin}/v1/schemas/")), "{uri}");
+        if !resolved.insert(uri.clone()) {
+            continue;
+        }
+        let response = http.get(&uri).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK, "{uri}");
+        assert_eq!(
+            response.headers()["content-type"],
+            "application/schema+json"
+        );
+        let name = uri.rsplit('/').next().unwrap();
+        let on_disk =
+            std::fs::read_to_string(format!("{}/schemas/{name}", env!("CARGO_MANIFEST_DIR")))
+                .unwrap();
+        assert_eq!(response.text().await.unwrap(), on_disk, "{uri}");
+    }
+    assert_eq!(resolved.len(), 2, "vouchers and categories: {resolved:?}");
+    let (code, body) = send(http.get(format!("{admin}/v1/schemas/nope.json"))).await;
+    assert_eq!(code, StatusCode::NOT_FOUND);
+    assert!(
+        body["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("no schema named `nope.json`: valid ones are cloudevent.schema.json"),
+        "{body}"
+    );
+    daemon.stop().await;
+}

@@ -17,6 +17,7 @@ fn tables() -> Vec<(&'static str, String)> {
         ("upstream", "[upstream]\n__probe = 1\n".to_string()),
         ("tenants", "[[tenants]]\nid = 1\n__probe = 1\n".to_string()),
         ("poll", "[poll]\n__probe = 1\n".to_string()),
+        ("events", "[events]\n__probe = 1\n".to_string()),
         ("state", "[state]\n__probe = 1\n".to_string()),
         ("sink", "[sink]\n__probe = 1\n".to_string()),
         ("sink.nats", "[sink.nats]\n__probe = 1\n".to_string()),

@@ -318,7 +318,10 @@ async fn stored_messages(url: &str) -> Vec<(String, Value)> {
 /// The snapshot events of `sim`'s vouchers from a dry run into a test sink,
 /// largest first, with the two largest payload sizes: a broker limit between
 /// them makes exactly one event too large.
-async fn event_sizes(sim: &Simulator) -> (Vec<(usize, Value)>, usize, usize) {
+async fn event_sizes(
+    sim: &Simulator,
+    size: impl Fn(&voucher_cdc::event::Event) -> usize,
+) -> (Vec<(usize, Value)>, usize, usize) {
     let dry = TestSink::new();
     let dir = tempfile::tempdir().unwrap();
     let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&dir.path().join("state")).unwrap());
@@ -326,11 +329,7 @@ async fn event_sizes(sim: &Simulator) -> (Vec<(usize, Value)>, usize, usize) {
         .run(SweepKind::Incremental, &CancellationToken::new())
         .await
         .unwrap();
-    let mut sized: Vec<(usize, Value)> = dry
-        .events()
-        .iter()
-        .map(|e| (e.payload.len(), json(e)))
-        .collect();
+    let mut sized: Vec<(usize, Value)> = dry.events().iter().map(|e| (size(e), json(e))).collect();
     sized.sort_by_key(|(len, _)| std::cmp::Reverse(*len));
     let (largest, second) = (sized[0].0, sized[1].0);
     assert!(
@@ -344,10 +343,13 @@ async fn event_sizes(sim: &Simulator) -> (Vec<(usize, Value)>, usize, usize) {
 async fn a_record_larger_than_the_nats_servers_max_payload_goes_to_the_deadletter_subject_and_the_stream_moves_on(
 ) {
     let sim = common::spawn_catalog(1, 30, 1).await;
-    let (sized, largest, second) = event_sizes(&sim).await;
+    // Sized as the sink counts them: payload, id and headers.
+    let (sized, largest, second) = event_sizes(&sim, |e| {
+        voucher_cdc::sinks::nats::message_size(e, &voucher_cdc::sinks::nats::routing_headers(e))
+    })
+    .await;
     let victim: i64 = sized[0].1["subject"].as_str().unwrap().parse().unwrap();
-    // The sink counts the payload, the event id (32) and 128 bytes of headers.
-    let max_payload = (largest + second) / 2 + 32 + 128;
+    let max_payload = (largest + second) / 2;
 
     let Some(nats) = brokers::spawn_nats_with_max_payload(max_payload) else {
         return;
@@ -431,18 +433,21 @@ async fn a_dead_letter_matches_its_published_schema() {
 async fn a_record_larger_than_kafkas_message_max_bytes_goes_to_the_dead_letter_topic_and_the_stream_moves_on(
 ) {
     let sim = common::spawn_catalog(1, 30, 1).await;
-    let (sized, largest, second) = event_sizes(&sim).await;
+    // Sized as the sink counts them: value, key and headers.
+    let (sized, largest, second) = event_sizes(&sim, |e| {
+        let record = voucher_cdc::sinks::kafka::record_parts(e, Default::default()).unwrap();
+        record.size(e) as usize
+    })
+    .await;
     let victim = sized[0].1["subject"].as_str().unwrap().to_string();
     let cluster = rdkafka::mocking::MockCluster::new(1).unwrap();
     for topic in ["voucher_cdc.vouchers", "voucher_cdc.deadletter"] {
         cluster.create_topic(topic, 3, 1).unwrap();
     }
     let bootstrap = cluster.bootstrap_servers();
-    // The sink counts the value, the key and 128 bytes of headers: every
-    // event but the largest fits.
-    let counted = |(len, v): &(usize, Value)| len + v["partitionkey"].as_str().unwrap().len() + 128;
-    let limit = sized[1..].iter().map(counted).max().unwrap();
-    assert!(counted(&sized[0]) > limit, "{largest} and {second} bytes");
+    // Every event but the largest fits.
+    let limit = second;
+    assert!(largest > limit, "{largest} and {second} bytes");
     let mut config = voucher_cdc::sinks::kafka::KafkaSinkConfig {
         message_timeout: Duration::from_secs(3),
         ..voucher_cdc::sinks::kafka::KafkaSinkConfig::new(&bootstrap)

@@ -8,6 +8,7 @@ use chrono::{TimeZone, Utc};
 use serde_json::value::RawValue;
 use voucher_cdc::event::{event_id, record_event, replay_event, EventIdParts, Op, RecordChange};
 use voucher_cdc::hash::{content_hash, IgnoreKeys};
+use voucher_cdc::schema::DEFAULT_SCHEMA_BASE;
 use voucher_cdc::stream::{Resource, StreamKey};
 
 fn parts(seq: u64) -> EventIdParts<'static> {
@@ -85,17 +86,18 @@ fn a_delete_event_and_replay_frames_have_pinned_ids() {
         replay: None,
         data: &data,
         detected_at: Utc.with_ymd_and_hms(2024, 5, 2, 0, 0, 0).unwrap(),
+        schema_base: &DEFAULT_SCHEMA_BASE,
     });
     assert_eq!(delete.id, "46be4dd44e4957431709576ea859ac30");
     let now = Utc.with_ymd_and_hms(2024, 5, 2, 0, 0, 0).unwrap();
     let replay = "0123456789abcdef0123456789abcdef";
-    let started = replay_event(stream, replay, None, false, 0, now);
-    let completed = replay_event(stream, replay, None, true, 55, now);
+    let started = replay_event(stream, replay, None, false, 0, now, &DEFAULT_SCHEMA_BASE);
+    let completed = replay_event(stream, replay, None, true, 55, now, &DEFAULT_SCHEMA_BASE);
     assert_eq!(started.id, "57018a1327b9fec2ef15a552f5191b51");
     assert_eq!(completed.id, "f7420749e6c51ea5a84ee7bcb31dfc38");
     // The completed count is data, not identity.
     assert_eq!(
-        replay_event(stream, replay, None, true, 56, now).id,
+        replay_event(stream, replay, None, true, 56, now, &DEFAULT_SCHEMA_BASE).id,
         completed.id
     );
 }

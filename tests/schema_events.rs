@@ -1,20 +1,26 @@
-//! The event schema in `schemas/cloudevent.schema.json` (documented in
-//! docs/events.md) against events built by the real encoder in
-//! `voucher_cdc::event`: every type and op must validate, and envelopes with
-//! a broken attribute must not.
+//! The published schemas in `schemas/` (documented in docs/events.md)
+//! against events built by the real encoder in `voucher_cdc::event` (every
+//! type and op must validate, envelopes and payloads with a broken attribute
+//! must not), and against the simulator's own list responses, so the
+//! simulator and the payload schemas both stay faithful to the API spec.
 
-#[path = "common/schema.rs"]
-mod schema;
+mod common;
 
 use chrono::{TimeZone, Utc};
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
-use voucher_cdc::event::{record_event, replay_event, Event, Op, RecordChange};
+use voucher_cdc::event::{
+    heartbeat_event, record_event, replay_event, Event, Op, RecordChange, StreamPulse,
+};
 use voucher_cdc::hash::{content_hash, ContentHash, IgnoreKeys};
+use voucher_cdc::schema::DEFAULT_SCHEMA_BASE;
 use voucher_cdc::state::replay_id_bytes;
 use voucher_cdc::stream::{Resource, StreamKey};
 
-use schema::{assert_valid_event, event_schema, validate_event_json};
+use common::schema::{
+    assert_valid_event, event_schema, schema_named, validate_data, validate_event_json,
+};
+use voucher_cdc::schema::{DataSchema, SCHEMAS};
 
 const VOUCHER: &str = r#"{"id":123,"slug":"spa-day","title":"Spa day for two","summary":null,"description_html":"<p>Relax</p>","currency":"GBP","price":120.0,"sale_price":null,"from_price":null,"from_sale_price":null,"monetary_value":null,"is_monetary":false,"allow_part_redeem":false,"validity_type":"months","validity_months":12,"redemption_info":null,"sort_order":1,"image_url":null,"image_urls":[],"category_refs":[{"id":7,"slug":"spa","title":"Spa","sort_order":1}],"variant_summaries":[],"updated_at":"2025-03-01T10:00:00Z","x_unknown_field":{"kept":true}}"#;
 const CATEGORY: &str = r#"{"id":7,"slug":"spa","title":"Spa","sort_order":1,"updated_at":"2025-03-01T09:00:00Z","summary":"","description_html":"","image_url":"","products":[{"id":123,"slug":"spa-day","title":"Spa day for two","price":120.0,"sale_price":99.0,"sort_order":1}]}"#;
@@ -59,6 +65,7 @@ fn change_event(resource: Resource, op: Op, data: &str, replay_id: Option<&str>)
         replay: replay_id.map(|id| replay_id_bytes(id).unwrap()),
         data: &data,
         detected_at: Utc.with_ymd_and_hms(2025, 3, 1, 10, 0, 5).unwrap(),
+        schema_base: &DEFAULT_SCHEMA_BASE,
     })
 }
 
@@ -96,6 +103,7 @@ fn all_replay_events() -> Vec<Event> {
             false,
             0,
             now,
+            &DEFAULT_SCHEMA_BASE,
         ));
         events.push(replay_event(
             stream,
@@ -104,10 +112,27 @@ fn all_replay_events() -> Vec<Event> {
             true,
             1250,
             now,
+            &DEFAULT_SCHEMA_BASE,
         ));
         let since = Some("2025-02-01T00:00:00Z");
-        events.push(replay_event(stream, "r-01hq4", since, false, 0, now));
-        events.push(replay_event(stream, "r-01hq4", since, true, 3, now));
+        events.push(replay_event(
+            stream,
+            "r-01hq4",
+            since,
+            false,
+            0,
+            now,
+            &DEFAULT_SCHEMA_BASE,
+        ));
+        events.push(replay_event(
+            stream,
+            "r-01hq4",
+            since,
+            true,
+            3,
+            now,
+            &DEFAULT_SCHEMA_BASE,
+        ));
     }
     events
 }
@@ -249,9 +274,195 @@ fn inconsistent_or_incomplete_envelopes_are_rejected() {
 fn replay_framing_events_with_an_op_are_rejected() {
     let now = Utc.with_ymd_and_hms(2025, 3, 1, 11, 0, 0).unwrap();
     let stream = StreamKey::new(42, Resource::Vouchers);
-    let mut replay = as_json(&replay_event(stream, "r-1", None, false, 0, now));
+    let mut replay = as_json(&replay_event(
+        stream,
+        "r-1",
+        None,
+        false,
+        0,
+        now,
+        &DEFAULT_SCHEMA_BASE,
+    ));
     validate_event_json(&replay).unwrap();
     replay["op"] = json!("snapshot");
     let problems = validate_event_json(&replay).unwrap_err();
     assert!(problems.contains(r#""op""#), "{problems}");
+}
+
+#[test]
+fn every_published_schema_is_a_valid_draft_2020_12_schema_whose_id_is_its_file_name() {
+    let on_disk: Vec<String> = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/schemas"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name.ends_with(".schema.json"))
+        .collect();
+    assert_eq!(on_disk.len(), SCHEMAS.len(), "every file is embedded");
+    for name in on_disk {
+        let schema = schema_named(&name);
+        jsonschema::meta::validate(schema).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(schema["$id"], name.as_str());
+        assert_eq!(
+            schema["$schema"],
+            "https://json-schema.org/draft/2020-12/schema"
+        );
+    }
+}
+
+#[test]
+fn every_event_names_the_schema_of_its_data_in_dataschema() {
+    let expected = |event: &Value| match event["type"].as_str().unwrap() {
+        "voucher.updated" => "voucher.schema.json",
+        "category.updated" => "category.schema.json",
+        "voucher.deleted" | "category.deleted" => "delete.schema.json",
+        _ => "replay.schema.json",
+    };
+    for event in all_record_events().iter().chain(&all_replay_events()) {
+        let doc = as_json(event);
+        let name = expected(&doc);
+        assert_eq!(
+            doc["dataschema"],
+            format!("http://127.0.0.1:9464/v1/schemas/{name}"),
+            "{doc}"
+        );
+    }
+    // The envelope insists on the pairing: a voucher pointing at the category schema fails.
+    let mut event = as_json(&change_event(Resource::Vouchers, Op::Update, VOUCHER, None));
+    event["dataschema"] = json!("http://127.0.0.1:9464/v1/schemas/category.schema.json");
+    let problems = validate_event_json(&event).unwrap_err();
+    assert!(problems.contains("/dataschema"), "{problems}");
+}
+
+/// The voucher of [`VOUCHER`] with `change` applied, checked as event `data`.
+fn voucher_problems(change: impl FnOnce(&mut serde_json::Map<String, Value>)) -> String {
+    let mut event = as_json(&change_event(Resource::Vouchers, Op::Update, VOUCHER, None));
+    change(event["data"].as_object_mut().unwrap());
+    validate_event_json(&event).expect_err("the schema accepted a broken voucher")
+}
+
+#[test]
+fn a_voucher_missing_a_required_key_or_with_a_wrong_type_or_null_is_rejected() {
+    let problems = voucher_problems(|v| {
+        v.remove("currency");
+    });
+    assert!(problems.contains("currency"), "{problems}");
+    // `updated_at` is required even though it may be null.
+    let problems = voucher_problems(|v| {
+        v.remove("updated_at");
+    });
+    assert!(problems.contains("updated_at"), "{problems}");
+    let problems = voucher_problems(|v| {
+        v.insert("is_monetary".into(), json!(null));
+    });
+    assert!(problems.contains("/data/is_monetary"), "{problems}");
+    let problems = voucher_problems(|v| {
+        v.insert("price".into(), json!("25.00"));
+    });
+    assert!(problems.contains("/data/price"), "{problems}");
+    let problems = voucher_problems(|v| {
+        v.insert("category_refs".into(), json!([{"id": 7, "slug": "spa"}]));
+    });
+    assert!(problems.contains("/data/category_refs/0"), "{problems}");
+}
+
+#[test]
+fn unknown_and_nullable_fields_of_a_voucher_are_accepted() {
+    let mut event = as_json(&change_event(Resource::Vouchers, Op::Update, VOUCHER, None));
+    let data = event["data"].as_object_mut().unwrap();
+    data.insert("field_from_the_future".into(), json!({"x": 1}));
+    data.insert("updated_at".into(), json!(null));
+    data.insert("price".into(), json!(null));
+    validate_event_json(&event).unwrap();
+}
+
+#[test]
+fn a_category_needs_only_its_id_but_keeps_the_types_the_spec_gives() {
+    validate_data(DataSchema::Category, &json!({"id": 7})).unwrap();
+    validate_data(DataSchema::Category, &json!({"id": 7, "title": null})).unwrap();
+    let problems = validate_data(DataSchema::Category, &json!({"title": "Spa"})).unwrap_err();
+    assert!(problems.contains("id"), "{problems}");
+    let problems = validate_data(
+        DataSchema::Category,
+        &json!({"id": 7, "products": [{"id": "x"}]}),
+    )
+    .unwrap_err();
+    assert!(problems.contains("/products/0/id"), "{problems}");
+}
+
+#[tokio::test]
+async fn the_simulators_list_responses_match_the_record_schemas() {
+    let sim = common::spawn_catalog(2, 60, 12).await;
+    let client = common::simulator_client(sim.token());
+    // Some nulls and relations the mutator would otherwise reach only by chance.
+    for id in sim.record_ids(1, Resource::Vouchers).into_iter().take(5) {
+        sim.update(1, Resource::Vouchers, id);
+    }
+    let base = &sim.base_url();
+    let mut checked = 0;
+    for tenant in [1, 2] {
+        for (path, schema, includes) in [
+            (
+                "catalog/vouchers",
+                DataSchema::Voucher,
+                ["", "include=categories,variants"],
+            ),
+            (
+                "catalog/categories",
+                DataSchema::Category,
+                ["", "include=products"],
+            ),
+        ] {
+            for include in includes {
+                let path = format!("/tenants/{tenant}/{path}");
+                let records = common::list_all(base, &client, &path, include).await;
+                assert!(!records.is_empty(), "{path}?{include} lists nothing");
+                for record in &records {
+                    validate_data(schema, record).unwrap_or_else(|problems| {
+                        panic!("{path}?{include}: {problems}\nrecord: {record}")
+                    });
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(checked, 2 * 2 * (60 + 12));
+}
+
+#[test]
+fn heartbeats_match_the_schema_with_and_without_a_watermark() {
+    let now = Utc.with_ymd_and_hms(2025, 3, 1, 11, 0, 0).unwrap();
+    let quiet = StreamPulse {
+        watermark: Some(now - chrono::Duration::minutes(5)),
+        last_sweep: Some(now - chrono::Duration::minutes(1)),
+        last_event: Some(now - chrono::Duration::hours(2)),
+    };
+    let fresh = StreamPulse {
+        watermark: None,
+        last_sweep: None,
+        last_event: None,
+    };
+    for (resource, pulse) in [(Resource::Vouchers, quiet), (Resource::Categories, fresh)] {
+        let event = heartbeat_event(
+            StreamKey::new(42, resource),
+            pulse,
+            now,
+            &DEFAULT_SCHEMA_BASE,
+        );
+        assert_valid_event(&event.payload);
+        let doc = as_json(&event);
+        assert_eq!(doc["type"], "stream.heartbeat");
+        assert!(doc["dataschema"]
+            .as_str()
+            .unwrap()
+            .ends_with("/heartbeat.schema.json"));
+    }
+    let mut doc = as_json(&heartbeat_event(
+        StreamKey::new(42, Resource::Vouchers),
+        quiet,
+        now,
+        &DEFAULT_SCHEMA_BASE,
+    ));
+    assert_eq!(doc["data"]["watermark"], "2025-03-01T10:55:00.000000Z");
+    doc["data"]["lastsweep"] = json!("yesterday");
+    let problems = validate_event_json(&doc).unwrap_err();
+    assert!(problems.contains("/data/lastsweep"), "{problems}");
 }

@@ -4,30 +4,10 @@ mod common;
 
 use std::collections::BTreeSet;
 
-use common::{simulator_client, spawn_simulator};
+use common::{list_all, simulator_client, spawn_simulator};
 use serde_json::Value;
 use voucher_cdc::simulator::model::{CatalogCategory, CatalogVoucher, Collection};
 use voucher_cdc::stream::Resource;
-
-async fn list_all(base: &str, client: &reqwest::Client, path: &str, query: &str) -> Vec<Value> {
-    let mut out = Vec::new();
-    let mut cursor: Option<String> = None;
-    loop {
-        let mut url = format!("{base}{path}?{query}");
-        if let Some(c) = &cursor {
-            url.push_str(&format!("&cursor={c}"));
-        }
-        let response = client.get(&url).send().await.unwrap();
-        assert_eq!(response.status(), 200, "{url}");
-        let page: Collection<Value> = response.json().await.unwrap();
-        assert!(page.data.len() <= 50);
-        out.extend(page.data);
-        match page.next_cursor {
-            Some(c) => cursor = Some(c),
-            None => return out,
-        }
-    }
-}
 
 #[tokio::test]
 async fn listing_vouchers_pages_through_every_record_once_in_updated_at_then_id_order() {

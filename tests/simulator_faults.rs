@@ -59,25 +59,6 @@ async fn walk(
     (pages, false)
 }
 
-/// The raw bodies of every page of a (fault-free) listing.
-async fn raw_listing(client: &reqwest::Client, base: &str, path: &str, query: &str) -> Vec<String> {
-    let mut bodies = Vec::new();
-    let mut cursor: Option<String> = None;
-    loop {
-        let mut url = format!("{base}{path}?{query}");
-        if let Some(c) = &cursor {
-            url.push_str(&format!("&cursor={c}"));
-        }
-        let body = client.get(&url).send().await.unwrap().text().await.unwrap();
-        let page: Collection<Value> = serde_json::from_str(&body).unwrap();
-        bodies.push(body);
-        match page.next_cursor {
-            Some(c) => cursor = Some(c),
-            None => return bodies,
-        }
-    }
-}
-
 const VOUCHERS: &str = "/tenants/1/catalog/vouchers";
 
 #[tokio::test]
@@ -260,7 +241,7 @@ async fn an_oversize_record_is_listed_and_served_at_least_that_large_through_lat
         );
     }
     // Listed (in its page, as the exact bytes) and served by GET.
-    let listed = raw_listing(
+    let listed = common::raw_listing(
         &client,
         &sim.base_url(),
         VOUCHERS,

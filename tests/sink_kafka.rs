@@ -15,6 +15,7 @@ use rdkafka::mocking::MockCluster;
 use rdkafka::producer::DefaultProducerContext;
 use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 use voucher_cdc::event::{Event, Op};
+use voucher_cdc::sinks::binding::{ContentMode, ROUTING_ATTRIBUTES};
 use voucher_cdc::sinks::kafka::{KafkaSink, KafkaSinkConfig, KafkaSinkError};
 use voucher_cdc::sinks::{Ack, Sink, SinkError};
 use voucher_cdc::stream::{Resource, StreamKey};
@@ -78,6 +79,89 @@ fn assert_each_read_back_once(events: &[Event], records: &[Consumed]) {
     }
 }
 
+/// A record's headers as text, by name (each name once).
+fn header_map(record: &Consumed) -> BTreeMap<String, String> {
+    let mut map = BTreeMap::new();
+    for (name, value) in &record.headers {
+        let value = String::from_utf8(value.clone()).unwrap();
+        assert!(map.insert(name.clone(), value).is_none(), "{name} twice");
+    }
+    map
+}
+
+/// The routing attributes are `ce_` headers equal to the event's own attributes.
+fn assert_routing_headers(record: &Consumed, event: &Event) {
+    let headers = header_map(record);
+    let doc: serde_json::Value = serde_json::from_slice(&event.payload).unwrap();
+    let text = |name: &str| match &doc[name] {
+        serde_json::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    assert_eq!(ROUTING_ATTRIBUTES.len(), 7);
+    for name in ROUTING_ATTRIBUTES {
+        assert_eq!(headers[&format!("ce_{name}")], text(name), "ce_{name}");
+    }
+    assert_eq!(headers["ce_id"], event.id);
+    assert_eq!(headers["ce_tenant"], "42");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_binary_content_mode_the_value_is_data_and_every_attribute_is_a_ce_header() {
+    let (_cluster, bootstrap) = mock_cluster(1, &["voucher_cdc.vouchers"]);
+    let config = KafkaSinkConfig {
+        content_mode: ContentMode::Binary,
+        ..sink_config(&bootstrap)
+    };
+    let sink = KafkaSink::new(&config, &[VOUCHERS]).await.unwrap();
+    let mut events = sample_events(VOUCHERS, 1, 3, Op::Update, 300);
+    events.extend(sample_events(VOUCHERS, 10, 1, Op::Delete, 0));
+    let acks = sink.publish(&events).await;
+    assert!(all_ok(&acks), "{acks:?}");
+    sink.flush().await.unwrap();
+    let records = consume_all(
+        &bootstrap,
+        &["voucher_cdc.vouchers"],
+        3,
+        events.len() + 1,
+        Duration::from_secs(20),
+    );
+    for event in &events {
+        let doc: serde_json::Value = serde_json::from_slice(&event.payload).unwrap();
+        let record = records
+            .iter()
+            .find(|r| header_map(r).get("ce_id") == Some(&event.id))
+            .unwrap_or_else(|| panic!("event {} not read back", event.id));
+        let value: serde_json::Value =
+            serde_json::from_slice(record.payload.as_deref().unwrap()).unwrap();
+        assert_eq!(value, doc["data"], "the value is data alone");
+        assert_eq!(record.key.as_deref(), Some(event.partition_key.as_bytes()));
+        assert_routing_headers(record, event);
+        let headers = header_map(record);
+        assert_eq!(headers["content-type"], "application/json");
+        // Every attribute but data and datacontenttype, and nothing else.
+        let mut expected: Vec<String> = doc
+            .as_object()
+            .unwrap()
+            .keys()
+            .filter(|k| !matches!(k.as_str(), "data" | "datacontenttype"))
+            .map(|k| format!("ce_{k}"))
+            .collect();
+        expected.push("content-type".to_string());
+        expected.sort();
+        assert_eq!(headers.keys().cloned().collect::<Vec<_>>(), expected);
+        assert_eq!(
+            headers["ce_dataschema"],
+            doc["dataschema"].as_str().unwrap()
+        );
+        assert_eq!(
+            headers["ce_contenthash"],
+            doc["contenthash"].as_str().unwrap()
+        );
+    }
+    // The delete is still followed by its tombstone.
+    assert_eq!(records.iter().filter(|r| r.payload.is_none()).count(), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_are_keyed_by_partitionkey_with_a_content_type_header_and_deletes_are_followed_by_tombstones(
 ) {
@@ -115,12 +199,13 @@ async fn events_are_keyed_by_partitionkey_with_a_content_type_header_and_deletes
         assert_eq!(record.topic, topic);
         assert_eq!(record.key.as_deref(), Some(event.partition_key.as_bytes()));
         assert_eq!(
-            record.headers,
-            vec![(
+            record.headers[0],
+            (
                 "content-type".to_string(),
                 b"application/cloudevents+json".to_vec()
-            )]
+            )
         );
+        assert_routing_headers(record, event);
         // A delete is followed at once, in the same partition, by a tombstone with its key.
         let next = records.iter().find(|r| {
             r.topic == record.topic && r.partition == record.partition && r.offset > record.offset

@@ -54,7 +54,8 @@ fn ids(events: &[Event]) -> BTreeSet<String> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn events_land_on_tenant_and_type_subjects_with_msg_id_content_type_and_the_event_body() {
+async fn events_land_on_tenant_and_type_subjects_with_msg_id_content_type_ce_headers_and_the_event_body(
+) {
     let Some(server) = spawn_nats() else { return };
     let sink = NatsSink::connect(&sink_config(&server)).await.unwrap();
 
@@ -100,6 +101,22 @@ async fn events_land_on_tenant_and_type_subjects_with_msg_id_content_type_and_th
             "application/cloudevents+json"
         );
         assert_eq!(message.payload, event.payload);
+        // The routing attributes as `ce-` headers (CloudEvents NATS binding).
+        let doc: serde_json::Value = serde_json::from_slice(&event.payload).unwrap();
+        for name in ["id", "type", "source", "subject", "specversion", "op"] {
+            assert_eq!(
+                headers
+                    .get(format!("ce-{name}").as_str())
+                    .map(|v| v.as_str()),
+                doc[name].as_str(),
+                "ce-{name}"
+            );
+        }
+        let tenant = event.stream.tenant.to_string();
+        assert_eq!(
+            headers.get("ce-tenant").map(|v| v.as_str()),
+            Some(tenant.as_str())
+        );
         let subject = message.subject.as_str();
         if event.stream.tenant == 42 {
             assert_eq!(subject, "voucher_cdc.42.voucher.updated");

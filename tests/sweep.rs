@@ -2,8 +2,6 @@
 //! store in a temp dir, and the in-memory test sink with its fault modes.
 
 mod common;
-#[path = "common/schema.rs"]
-mod schema;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -111,7 +109,7 @@ impl Harness {
 /// Every event a test looks at is first validated against the published
 /// JSON Schema: real emitted events of every type and op.
 fn json(e: &voucher_cdc::event::Event) -> Value {
-    schema::assert_valid_event(&e.payload);
+    common::schema::assert_valid_event(&e.payload);
     serde_json::from_slice(&e.payload).unwrap()
 }
 

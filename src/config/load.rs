@@ -20,7 +20,7 @@ pub const ENV_PREFIX: &str = "VOUCHER_CDC_";
 /// `__` are left alone, since platforms inject them (Kubernetes service links
 /// such as `VOUCHER_CDC_METRICS_PORT=tcp://...`).
 pub const SECTIONS: &[&str] = &[
-    "upstream", "tenants", "poll", "state", "sink", "admin", "log", "shard",
+    "upstream", "tenants", "poll", "events", "state", "sink", "admin", "log", "shard",
 ];
 
 /// Prefix of librdkafka properties given through the environment:
@@ -489,7 +489,7 @@ mod tests {
         );
         assert_eq!(
             problems,
-            vec!["VOUCHER_CDC_POL__INTERVAL: unknown config section `pol`: valid sections are upstream, tenants, poll, state, sink, admin, log, shard"]
+            vec!["VOUCHER_CDC_POL__INTERVAL: unknown config section `pol`: valid sections are upstream, tenants, poll, events, state, sink, admin, log, shard"]
         );
     }
 

@@ -17,6 +17,7 @@ use url::Url;
 
 use crate::hash::IgnoreKeys;
 pub use crate::planner::Strategy;
+use crate::schema::SchemaBase;
 use crate::secret;
 use crate::shard::{Shard, ShardConfig};
 use crate::sinks::config::RawSinkConfig;
@@ -41,6 +42,8 @@ pub struct Config {
     pub tenants: Vec<TenantConfig>,
     /// Sweep timing and change detection.
     pub poll: PollConfig,
+    /// What events carry beyond the change itself.
+    pub events: EventsConfig,
     /// Where the state store lives.
     pub state: StateConfig,
     /// Where events go.
@@ -68,6 +71,9 @@ pub struct RawConfig {
     /// `[poll]`.
     #[serde(default)]
     pub poll: PollConfig,
+    /// `[events]`.
+    #[serde(default)]
+    pub events: EventsConfig,
     /// `[state]`.
     #[serde(default)]
     pub state: StateConfig,
@@ -352,6 +358,64 @@ impl From<&PollConfig> for SweepSettings {
     }
 }
 
+/// `[events]`: what events carry beyond the change itself (docs/events.md).
+/// Every key is optional and off by default.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EventsConfig {
+    /// Absolute URL the events' `dataschema` starts with (the schema's file
+    /// name follows); unset: this daemon's admin API, `http://{admin.listen}/v1/schemas/`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schema_base_url: Option<String>,
+    /// Publish a `stream.heartbeat` when a stream produced no event for this long.
+    #[serde(
+        default,
+        with = "humantime_serde",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub heartbeat_interval: Option<Duration>,
+}
+
+/// Shortest `events.heartbeat_interval`.
+pub const MIN_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(1);
+
+impl EventsConfig {
+    /// Every `[events]` rule: an absolute base URL, a heartbeat interval in range.
+    fn check(&self, problems: &mut Problems) {
+        if let Some(base) = &self.schema_base_url {
+            match Url::parse(base) {
+                Ok(url) if url.cannot_be_a_base() => problems.bad(
+                    "events.schema_base_url",
+                    format!("`{base}` cannot be a base for the schema file names"),
+                ),
+                Ok(_) => {}
+                Err(e) => problems.bad(
+                    "events.schema_base_url",
+                    format!("`{base}` is not an absolute url: {e}"),
+                ),
+            }
+        }
+        if let Some(interval) = self.heartbeat_interval {
+            if interval < MIN_HEARTBEAT_INTERVAL {
+                problems.bad("events.heartbeat_interval", "must be at least 1s");
+            }
+            problems.at_most(
+                "events.heartbeat_interval",
+                interval,
+                Duration::from_secs(30 * DAY),
+            );
+        }
+    }
+
+    /// Where `dataschema` points: `schema_base_url`, else the admin API on `admin_listen`.
+    pub fn schema_base(&self, admin_listen: SocketAddr) -> SchemaBase {
+        match &self.schema_base_url {
+            Some(base) => SchemaBase::new(base),
+            None => SchemaBase::of_admin(admin_listen),
+        }
+    }
+}
+
 /// `[state]`: the sled store.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -507,6 +571,7 @@ impl RawConfig {
         let upstream = self.upstream.check(&self.tenants, &mut problems);
         let tenants = check_tenants(&self.tenants, &mut problems);
         self.poll.check(&mut problems);
+        self.events.check(&mut problems);
         self.state.check(&mut problems);
         let sink = self.sink.check().map_err(|e| problems.add(e)).ok();
         let admin = self.admin.check(&mut problems);
@@ -519,6 +584,7 @@ impl RawConfig {
                 upstream,
                 tenants,
                 poll: self.poll.clone(),
+                events: self.events.clone(),
                 state: self.state.clone(),
                 sink,
                 admin,

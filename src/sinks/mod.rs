@@ -6,6 +6,7 @@
 //! A sink acknowledges each event on its own; the sweep commits a record's
 //! content hash only after its event was acknowledged (DESIGN.md, invariant).
 
+pub mod binding;
 pub mod config;
 pub mod file;
 pub mod kafka;

@@ -262,6 +262,7 @@ pub fn sample_event(stream: StreamKey, id: i64) -> Event {
             .timestamp_opt(1_714_557_600, 0)
             .single()
             .unwrap_or_default(),
+        schema_base: &crate::schema::DEFAULT_SCHEMA_BASE,
     })
 }
 

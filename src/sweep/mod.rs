@@ -41,6 +41,7 @@ use crate::crashpoint;
 use crate::diff::SweepMode;
 use crate::event::{self, Event, Op};
 use crate::hash::{HashError, IgnoreKeys};
+use crate::schema::SchemaBase;
 use crate::sinks::Sink;
 use crate::state::ledger::{FullRetry, SweepEnd};
 use crate::state::{
@@ -79,6 +80,8 @@ pub struct SweepSettings {
     pub full_retry_max: Duration,
     /// `sink.on_record_error`: what an event the sink can never accept does.
     pub on_record_error: OnRecordError,
+    /// Where the events' `dataschema` points (`events.schema_base_url`).
+    pub schema_base: SchemaBase,
 }
 
 /// The `[poll]` defaults (one home: `crate::config`), and the sweep's own.
@@ -102,6 +105,7 @@ impl Default for SweepSettings {
             full_retry_initial: DEFAULT_POLL_INTERVAL,
             full_retry_max: DEFAULT_FULL_RESYNC_INTERVAL,
             on_record_error: OnRecordError::default(),
+            schema_base: SchemaBase::default(),
         }
     }
 }
@@ -256,6 +260,11 @@ impl Sweeper {
     /// The state store.
     pub fn store(&self) -> &Arc<dyn StateStore> {
         &self.store
+    }
+
+    /// The settings it sweeps with.
+    pub fn settings(&self) -> &SweepSettings {
+        &self.settings
     }
 
     /// The event sink.
@@ -437,6 +446,7 @@ impl SweepRun<'_> {
             completed,
             records,
             Utc::now(),
+            &self.sweeper.settings.schema_base,
         );
         self.publish_all(std::slice::from_ref(&frame)).await?;
         self.count_event(&frame);
@@ -507,7 +517,7 @@ impl SweepRun<'_> {
             let events: Vec<Event> = page
                 .changes
                 .iter()
-                .map(|c| c.event(stream, detected_at))
+                .map(|c| c.event(stream, detected_at, &sweeper.settings.schema_base))
                 .collect();
             let deliveries = self.publish_changes(&events).await?;
             crashpoint::hit(crashpoint::names::AFTER_PUBLISH);
@@ -613,7 +623,14 @@ impl SweepRun<'_> {
             crashpoint::hit(crashpoint::names::AFTER_DELETE_INTENTS);
             let events: Vec<Event> = gone
                 .iter()
-                .map(|d| d.event(stream, detected_at, &sweeper.settings.ignore_keys))
+                .map(|d| {
+                    d.event(
+                        stream,
+                        detected_at,
+                        &sweeper.settings.ignore_keys,
+                        &sweeper.settings.schema_base,
+                    )
+                })
                 .collect::<Result<_, _>>()?;
             let deliveries = self.publish_changes(&events).await?;
             crashpoint::hit(crashpoint::names::AFTER_DELETE_PUBLISH);

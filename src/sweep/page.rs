@@ -18,6 +18,7 @@ use super::SweepError;
 use crate::diff::{plan_change, Change, Known};
 use crate::event::{self, format_micros, updated_at_micros, Event, Op, RecordChange};
 use crate::hash::{content_hash, ContentHash, IgnoreKeys};
+use crate::schema::SchemaBase;
 use crate::state::{Intent, RecordState, SweepPlan, Tombstone};
 use crate::stream::StreamKey;
 use crate::upstream::page::Record;
@@ -86,7 +87,12 @@ impl PendingChange<'_> {
     }
 
     /// The event downstream gets.
-    pub fn event(&self, stream: StreamKey, detected_at: DateTime<Utc>) -> Event {
+    pub fn event(
+        &self,
+        stream: StreamKey,
+        detected_at: DateTime<Utc>,
+        schema_base: &SchemaBase,
+    ) -> Event {
         event::record_event(&RecordChange {
             stream,
             record_id: self.record.id,
@@ -99,6 +105,7 @@ impl PendingChange<'_> {
             replay: self.change.replay,
             data: &self.record.raw,
             detected_at,
+            schema_base,
         })
     }
 
@@ -237,6 +244,7 @@ impl Doomed {
         stream: StreamKey,
         detected_at: DateTime<Utc>,
         ignore: &IgnoreKeys,
+        schema_base: &SchemaBase,
     ) -> Result<Event, SweepError> {
         let data = delete_data(self.id);
         let hash = content_hash(data.get(), ignore).map_err(|source| SweepError::Hash {
@@ -256,6 +264,7 @@ impl Doomed {
             replay: self.replay,
             data: &data,
             detected_at,
+            schema_base,
         }))
     }
 

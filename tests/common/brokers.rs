@@ -18,6 +18,7 @@ use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use serde_json::value::RawValue;
 use voucher_cdc::event::{record_event, Event, Op, RecordChange};
 use voucher_cdc::hash::ContentHash;
+use voucher_cdc::schema::DEFAULT_SCHEMA_BASE;
 use voucher_cdc::sinks::Sink;
 use voucher_cdc::stream::StreamKey;
 
@@ -480,6 +481,7 @@ pub fn sample_event(stream: StreamKey, id: u64, op: Op, payload_bytes: usize) ->
             replay: None,
             data: &raw,
             detected_at: Utc::now(),
+            schema_base: &DEFAULT_SCHEMA_BASE,
         })
     };
     let bare = build("");

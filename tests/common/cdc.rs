@@ -318,6 +318,9 @@ pub async fn read_range(
                     .unwrap_or_default();
                 let event: Value = serde_json::from_slice(&message.payload)
                     .unwrap_or_else(|e| panic!("stream message {seq} is not JSON: {e}"));
+                if !message.subject.ends_with(".deadletter") {
+                    crate::common::schema::assert_valid_event_json(&event);
+                }
                 StoredEvent {
                     seq,
                     msg_id,

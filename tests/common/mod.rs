@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod prometheus;
+pub mod schema;
 pub mod sweeps;
 mod test_config;
 
@@ -151,6 +152,51 @@ pub async fn spawn_daemon_with_sink(
     }
 }
 
+/// The raw bodies of every page of a fault-free listing of `path` (each
+/// answered 200), following `next_cursor` to the end.
+pub async fn raw_listing(
+    client: &reqwest::Client,
+    base: &str,
+    path: &str,
+    query: &str,
+) -> Vec<String> {
+    let mut bodies = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let mut url = format!("{base}{path}?{query}");
+        if let Some(c) = &cursor {
+            url.push_str(&format!("&cursor={c}"));
+        }
+        let response = client.get(&url).send().await.unwrap();
+        assert_eq!(response.status(), 200, "{url}");
+        let body = response.text().await.unwrap();
+        let page: voucher_cdc::simulator::model::Collection<serde_json::Value> =
+            serde_json::from_str(&body).unwrap();
+        bodies.push(body);
+        match page.next_cursor {
+            Some(c) => cursor = Some(c),
+            None => return bodies,
+        }
+    }
+}
+
+/// Every record of a fault-free listing of `path`, in listing order (pages of at most 50).
+pub async fn list_all(
+    base: &str,
+    client: &reqwest::Client,
+    path: &str,
+    query: &str,
+) -> Vec<serde_json::Value> {
+    let mut records = Vec::new();
+    for body in raw_listing(client, base, path, query).await {
+        let page: voucher_cdc::simulator::model::Collection<serde_json::Value> =
+            serde_json::from_str(&body).unwrap();
+        assert!(page.data.len() <= 50);
+        records.extend(page.data);
+    }
+    records
+}
+
 /// A free loopback port: bound to port 0, then released (for a port that
 /// must be written into a config or a command line before anything binds it).
 pub fn free_port() -> u16 {
@@ -161,12 +207,24 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-/// The events of a JSON-lines file (none when it does not exist yet).
+/// The events of a JSON-lines file (none when it does not exist yet), each
+/// checked against the published schemas (envelope and `data`) on the way:
+/// every test that reads the file or stdout sink checks the contract too.
 pub fn read_events(path: &std::path::Path) -> Vec<serde_json::Value> {
     let text = std::fs::read_to_string(path).unwrap_or_default();
+    parse_events(&text)
+}
+
+/// The events of JSON-lines text (the file or stdout sink's output), each
+/// checked against the published schemas.
+pub fn parse_events(text: &str) -> Vec<serde_json::Value> {
     text.lines()
         .filter(|l| !l.trim().is_empty())
-        .map(|l| serde_json::from_str(l).expect("every line is one JSON event"))
+        .map(|l| {
+            let event = serde_json::from_str(l).expect("every line is one JSON event");
+            schema::assert_valid_event_json(&event);
+            event
+        })
         .collect()
 }
 
@@ -308,7 +366,8 @@ pub fn consumer_view<'a>(
 ) -> std::collections::BTreeMap<RecordKey, serde_json::Value> {
     let mut view = std::collections::BTreeMap::new();
     for e in events {
-        if e["type"].as_str().unwrap().starts_with("replay.") {
+        let ty = e["type"].as_str().unwrap();
+        if ty.starts_with("replay.") || ty.starts_with("stream.") {
             continue;
         }
         let tenant = e["tenant"].as_u64().unwrap();

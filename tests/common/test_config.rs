@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use toml::{Table, Value};
-use voucher_cdc::config::{Config, LogConfig, PollConfig};
+use voucher_cdc::config::{Config, EventsConfig, LogConfig, PollConfig};
 use voucher_cdc::simulator::Simulator;
 use voucher_cdc::sinks::nats::NatsSinkConfig;
 use voucher_cdc::stream::Resource;
@@ -35,6 +35,7 @@ pub struct TestConfig {
     /// `(tenant, resources)`; `None` streams every resource.
     tenants: Vec<(u64, Option<Vec<Resource>>)>,
     poll: PollConfig,
+    events: EventsConfig,
     state_path: PathBuf,
     sink: TestSinkConfig,
     admin_listen: SocketAddr,
@@ -61,6 +62,7 @@ impl TestConfig {
                 shutdown_timeout: Duration::from_secs(10),
                 ..PollConfig::default()
             },
+            events: EventsConfig::default(),
             state_path: dir.join("state"),
             sink: TestSinkConfig::File(dir.join("events.jsonl")),
             admin_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -119,6 +121,12 @@ impl TestConfig {
     /// `poll.max_delete_fraction`.
     pub fn with_max_delete_fraction(mut self, fraction: f64) -> Self {
         self.poll.max_delete_fraction = fraction;
+        self
+    }
+
+    /// `[events]`.
+    pub fn with_events(mut self, events: EventsConfig) -> Self {
+        self.events = events;
         self
     }
 
@@ -215,6 +223,7 @@ impl TestConfig {
         doc.insert("upstream".into(), upstream.into());
         doc.insert("tenants".into(), Value::Array(tenants));
         doc.insert("poll".into(), typed_value(&self.poll));
+        doc.insert("events".into(), typed_value(&self.events));
         doc.insert("state".into(), state.into());
         doc.insert("sink".into(), sink.into());
         doc.insert("admin".into(), admin.into());

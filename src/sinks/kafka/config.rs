@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::sinks::binding::ContentMode;
+
 use super::{KafkaSink, KafkaSinkError};
 use crate::secret::{value_or_named_file, Secret, SecretFileError};
 use crate::stream::StreamKey;
@@ -77,6 +79,10 @@ pub struct KafkaSinkConfig {
     /// given here or in `properties`, not both.
     #[serde(default)]
     pub property_files: BTreeMap<String, PathBuf>,
+    /// `structured` (the value is the event JSON) or `binary` (the value is
+    /// `data`, every attribute a `ce_` header), per the CloudEvents Kafka binding.
+    #[serde(default)]
+    pub content_mode: ContentMode,
 }
 
 /// librdkafka's default `message.max.bytes`.
@@ -155,6 +161,7 @@ impl fmt::Debug for KafkaSinkConfig {
             .field("dead_letter_topic", &self.dead_letter_topic)
             .field("properties", &RedactedProperties(&self.properties))
             .field("property_files", &self.property_files)
+            .field("content_mode", &self.content_mode)
             .finish()
     }
 }
@@ -190,6 +197,7 @@ impl KafkaSinkConfig {
             dead_letter_topic: default_dead_letter_topic(),
             properties: BTreeMap::new(),
             property_files: BTreeMap::new(),
+            content_mode: ContentMode::default(),
         }
     }
 

@@ -25,6 +25,7 @@ use rdkafka::types::RDKafkaErrorCode;
 pub use self::classify::Failure;
 pub use self::config::{KafkaConfigError, KafkaSinkConfig, TopicTemplate};
 use crate::event::{Event, EventType};
+use crate::sinks::binding::{kafka_header, Attributes, ContentMode};
 use crate::sinks::metrics::record_sink_up;
 use crate::sinks::{Ack, Sink, SinkError};
 use crate::stream::StreamKey;
@@ -91,6 +92,8 @@ pub struct KafkaSink {
     dead_letter_topic: String,
     /// The producer's `message.max.bytes`: larger events are rejected before sending.
     message_max_bytes: u64,
+    /// `sink.kafka.content_mode`.
+    content_mode: ContentMode,
 }
 
 impl std::fmt::Debug for KafkaSink {
@@ -132,6 +135,7 @@ impl KafkaSink {
             brokers: config.brokers.clone(),
             dead_letter_topic: config.dead_letter_topic.clone(),
             message_max_bytes: config.message_max_bytes(),
+            content_mode: config.content_mode,
         })
     }
 
@@ -214,9 +218,22 @@ impl KafkaSink {
         } else {
             self.template.render(event.stream)
         };
+        let record = match record_parts(event, self.content_mode) {
+            Ok(record) => record,
+            Err(reason) => {
+                return Queued {
+                    deliveries: Vec::new(),
+                    error: Some(SinkError::Rejected {
+                        reason: format!("kafka: event {} for topic `{topic}`: {reason}", event.id),
+                        limit: None,
+                    }),
+                    topic,
+                }
+            }
+        };
         // librdkafka refuses a message over message.max.bytes (key, value and
         // headers, before compression) anyway: say so without queueing it.
-        let size = (event.payload.len() + event.partition_key.len() + HEADER_OVERHEAD) as u64;
+        let size = record.size(event);
         if size > self.message_max_bytes {
             return Queued {
                 deliveries: Vec::new(),
@@ -234,13 +251,18 @@ impl KafkaSink {
                 topic,
             };
         }
-        let headers = OwnedHeaders::new().insert(Header {
-            key: "content-type",
-            value: Some(CONTENT_TYPE),
-        });
+        let headers = record
+            .headers
+            .iter()
+            .fold(OwnedHeaders::new(), |headers, (key, value)| {
+                headers.insert(Header {
+                    key: key.as_str(),
+                    value: Some(value.as_str()),
+                })
+            });
         let record = FutureRecord::to(&topic)
             .key(event.partition_key.as_bytes())
-            .payload(&event.payload[..])
+            .payload(record.value)
             .headers(headers);
         let mut queued = Queued {
             deliveries: Vec::with_capacity(2),
@@ -503,4 +525,66 @@ async fn create_topics(
         }
     }
     Ok(())
+}
+/// A Kafka record's value and headers for one event.
+#[derive(Debug, PartialEq, Eq)]
+pub struct RecordParts<'a> {
+    /// `content-type` and the `ce_` attribute headers, in order.
+    pub headers: Vec<(String, String)>,
+    /// The record value: the event JSON (structured) or its `data` (binary).
+    pub value: &'a [u8],
+}
+
+impl RecordParts<'_> {
+    /// The bytes the sink counts for the record of `event` against
+    /// `message.max.bytes`: value, key, header names and values, and framing.
+    pub fn size(&self, event: &Event) -> u64 {
+        let headers: usize = self.headers.iter().map(|(k, v)| k.len() + v.len()).sum();
+        (self.value.len() + headers + event.partition_key.len() + HEADER_OVERHEAD) as u64
+    }
+}
+
+/// How `event` goes into a record in `mode` (CloudEvents Kafka binding):
+/// structured, the event JSON with `content-type: application/cloudevents+json`
+/// and the routing attributes as `ce_` headers; binary, `data` alone with
+/// `content-type` = `datacontenttype` and every other attribute as a `ce_`
+/// header. A dead letter has no `data` and is structured in either mode.
+pub fn record_parts(event: &Event, mode: ContentMode) -> Result<RecordParts<'_>, String> {
+    let attributes = Attributes::parse(&event.payload)
+        .map_err(|e| format!("payload is not a structured cloudevent: {e}"))?;
+    let data = attributes.data();
+    match (mode, data) {
+        (ContentMode::Binary, Some(data)) if event.ty != EventType::DeadLetter => {
+            let content_type = attributes
+                .value("datacontenttype")
+                .unwrap_or_else(|| "application/json".to_string());
+            let headers = std::iter::once(("content-type".to_string(), content_type))
+                .chain(
+                    attributes
+                        .context()
+                        .into_iter()
+                        .map(|(name, value)| (kafka_header(name), value)),
+                )
+                .collect();
+            // `data` borrows from the payload: its bytes are a slice of it.
+            Ok(RecordParts {
+                headers,
+                value: data.get().as_bytes(),
+            })
+        }
+        _ => {
+            let headers = std::iter::once(("content-type".to_string(), CONTENT_TYPE.to_string()))
+                .chain(
+                    attributes
+                        .routing()
+                        .into_iter()
+                        .map(|(name, value)| (kafka_header(name), value)),
+                )
+                .collect();
+            Ok(RecordParts {
+                headers,
+                value: &event.payload[..],
+            })
+        }
+    }
 }

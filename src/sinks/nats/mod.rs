@@ -28,6 +28,7 @@ use tokio::sync::Semaphore;
 
 pub use self::config::{NatsConfigError, NatsSinkConfig, NatsTlsConfig, Secret};
 use crate::event::{Event, EventType};
+use crate::sinks::binding::{nats_header, Attributes};
 use crate::sinks::metrics::record_sink_up;
 use crate::sinks::{Ack, Sink, SinkError};
 
@@ -134,7 +135,8 @@ impl NatsSink {
 
     async fn publish_one(&self, event: &Event, max_payload: usize) -> Ack {
         let subject = subject_for(&self.subject_prefix, event);
-        let size = event.payload.len() + event.id.len() + HEADER_OVERHEAD;
+        let routing = routing_headers(event);
+        let size = message_size(event, &routing);
         if max_payload > 0 && size > max_payload {
             // Known from the server's INFO: no round trip for an event that cannot fit.
             return Err(SinkError::Rejected {
@@ -157,10 +159,13 @@ impl NatsSink {
                 "nats: not connected to any server, `{subject}` not published (reconnecting)"
             )));
         }
-        let message = Publish::build()
-            .payload(event.payload.clone())
-            .message_id(dedupe_id(event))
-            .header("Content-Type", CONTENT_TYPE);
+        let message = routing.into_iter().fold(
+            Publish::build()
+                .payload(event.payload.clone())
+                .message_id(dedupe_id(event))
+                .header("Content-Type", CONTENT_TYPE),
+            |message, (name, value)| message.header(name.as_str(), value.as_str()),
+        );
         let ack = self
             .js
             .send_publish(subject.clone(), message)
@@ -439,6 +444,31 @@ fn connect_options(config: &NatsSinkConfig) -> Result<ConnectOptions, String> {
 /// dead letter, which carries its event's id in the body but must never make
 /// JetStream drop that event itself as a duplicate (a dead letter acked before
 /// a crash, the limit raised, the event re-published and now fitting).
+/// The routing attributes as `ce-` headers (CloudEvents NATS binding),
+/// beside `Nats-Msg-Id`; the body stays the structured event.
+pub fn routing_headers(event: &Event) -> Vec<(String, String)> {
+    match Attributes::parse(&event.payload) {
+        Ok(attributes) => attributes
+            .routing()
+            .into_iter()
+            .map(|(name, value)| (nats_header(name), value))
+            .collect(),
+        Err(e) => {
+            tracing::warn!(sink = SINK, event = %event.id, error = %e,
+                "event payload is not a structured cloudevent; published without ce- headers");
+            Vec::new()
+        }
+    }
+}
+
+/// The bytes the sink counts for `event` against the server's
+/// `max_payload`: body, the `ce-` headers in `routing` (see
+/// [`routing_headers`]), the message id and the other headers.
+pub fn message_size(event: &Event, routing: &[(String, String)]) -> usize {
+    let header_bytes: usize = routing.iter().map(|(k, v)| k.len() + v.len() + 4).sum();
+    event.payload.len() + event.id.len() + header_bytes + HEADER_OVERHEAD
+}
+
 fn dedupe_id(event: &Event) -> String {
     if event.ty == EventType::DeadLetter {
         format!("{}.deadletter", event.id)

@@ -1,0 +1,139 @@
+//! The CloudEvents protocol bindings' side of a message: which attributes
+//! travel as headers, so consumers can route and filter without parsing the
+//! body, and (Kafka's binary content mode) the body that is `data` alone.
+//!
+//! Both brokers read the attributes back out of the structured event the
+//! encoder wrote (`crate::event`), so a header can never disagree with the
+//! body it travels with.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+
+/// The attributes every message carries as headers, whatever the content
+/// mode: enough to route (type, tenant, op), dedupe (id) and locate (source,
+/// subject) an event. `op` is absent on replay frames and heartbeats.
+pub const ROUTING_ATTRIBUTES: [&str; 7] = [
+    "id",
+    "type",
+    "source",
+    "subject",
+    "specversion",
+    "tenant",
+    "op",
+];
+
+/// How a Kafka record carries an event (`sink.kafka.content_mode`), per the
+/// CloudEvents Kafka protocol binding.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ContentMode {
+    /// The value is the whole event JSON (`content-type:
+    /// application/cloudevents+json`); the routing attributes are also `ce_` headers.
+    #[default]
+    Structured,
+    /// The value is `data` alone (`content-type: application/json`); every
+    /// other attribute is a `ce_` header.
+    Binary,
+}
+
+/// The attributes of one structured event, borrowed from its payload.
+#[derive(Debug)]
+pub struct Attributes<'a> {
+    fields: BTreeMap<String, &'a RawValue>,
+}
+
+impl<'a> Attributes<'a> {
+    /// Reads the top-level attributes of a structured event (its `data` stays unparsed).
+    pub fn parse(payload: &'a [u8]) -> Result<Self, serde_json::Error> {
+        Ok(Self {
+            fields: serde_json::from_slice(payload)?,
+        })
+    }
+
+    /// One attribute as header text: a JSON string unquoted, anything else
+    /// (the integer `tenant`) as its canonical JSON text.
+    pub fn value(&self, name: &str) -> Option<String> {
+        let raw = self.fields.get(name)?;
+        match serde_json::from_str::<String>(raw.get()) {
+            Ok(text) => Some(text),
+            Err(_) => Some(raw.get().to_string()),
+        }
+    }
+
+    /// The routing attributes the event has, as (attribute, value).
+    pub fn routing(&self) -> Vec<(&'static str, String)> {
+        ROUTING_ATTRIBUTES
+            .iter()
+            .filter_map(|name| Some((*name, self.value(name)?)))
+            .collect()
+    }
+
+    /// Every attribute but `data` and `datacontenttype` (which binary mode
+    /// carries as the body and the `content-type` header), in name order.
+    pub fn context(&self) -> Vec<(&str, String)> {
+        self.fields
+            .keys()
+            .filter(|name| !matches!(name.as_str(), "data" | "datacontenttype"))
+            .filter_map(|name| Some((name.as_str(), self.value(name)?)))
+            .collect()
+    }
+
+    /// The event's `data`, exactly as encoded.
+    pub fn data(&self) -> Option<&'a RawValue> {
+        self.fields.get("data").copied()
+    }
+}
+
+/// The NATS header of an attribute (`ce-id`, `ce-type`, ...): the `ce-`
+/// prefix of the CloudEvents NATS binding, before the attribute name.
+pub fn nats_header(attribute: &str) -> String {
+    format!("ce-{attribute}")
+}
+
+/// The Kafka header of an attribute (`ce_id`, `ce_type`, ...), per the
+/// CloudEvents Kafka binding.
+pub fn kafka_header(attribute: &str) -> String {
+    format!("ce_{attribute}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stream::{Resource, StreamKey};
+
+    #[test]
+    fn routing_attributes_are_read_from_the_event_and_op_only_when_it_has_one() {
+        let event = crate::sinks::testing::sample_event(StreamKey::new(42, Resource::Vouchers), 7);
+        let attributes = Attributes::parse(&event.payload).unwrap();
+        let routing: BTreeMap<_, _> = attributes.routing().into_iter().collect();
+        assert_eq!(routing["id"], event.id);
+        assert_eq!(routing["type"], "voucher.updated");
+        assert_eq!(routing["source"], "/tenants/42/catalog/vouchers");
+        assert_eq!(routing["subject"], "7");
+        assert_eq!(routing["specversion"], "1.0");
+        assert_eq!(routing["tenant"], "42");
+        assert_eq!(routing["op"], "create");
+        let frame = br#"{"id":"x","type":"replay.started","tenant":1,"data":{}}"#;
+        let attributes = Attributes::parse(frame).unwrap();
+        assert!(attributes.routing().iter().all(|(name, _)| *name != "op"));
+    }
+
+    #[test]
+    fn the_context_is_every_attribute_but_data_and_its_content_type() {
+        let payload = br#"{"specversion":"1.0","id":"a","datacontenttype":"application/json","tenant":3,"data":{"id":1,"x":"y"}}"#;
+        let attributes = Attributes::parse(payload).unwrap();
+        assert_eq!(
+            attributes.context(),
+            vec![
+                ("id", "a".to_string()),
+                ("specversion", "1.0".to_string()),
+                ("tenant", "3".to_string())
+            ]
+        );
+        assert_eq!(attributes.data().unwrap().get(), r#"{"id":1,"x":"y"}"#);
+        assert_eq!(nats_header("type"), "ce-type");
+        assert_eq!(kafka_header("type"), "ce_type");
+    }
+}
