@@ -232,6 +232,7 @@ impl Planners {
                         POLL_LANES
                     },
                     full_resync_interval: poll.full_resync_interval,
+                    tail_guard: poll.tail_guard,
                 };
                 Planner::new(settings, budget.clone(), client.token_id().to_string())
             });

@@ -49,10 +49,11 @@ const TIER_SNAPSHOT: u8 = 2;
 /// stream near the cap; earliest deadline first.
 const TIER_DUE: u8 = 1;
 
-/// The tail guard, as a share of the round a uniform schedule takes (every
-/// stream's poll cost at the token's learnt budget): a stream that may change
-/// waits at most this long between polls, so its changes wait no longer than
-/// uniform polling would make them wait (with a margin for the lanes).
+/// Default of `poll.tail_guard`: the tail guard as a share of the round a
+/// uniform schedule takes (every stream's poll cost at the rate the budget
+/// delivers): a stream that may change waits at most this long between
+/// polls, so its changes wait no longer than uniform polling would make them
+/// wait (with a margin for the lanes).
 pub const TAIL_GUARD_SHARE: f64 = 0.95;
 
 /// A stream is quiet while the evidence says it changes less than this many
@@ -122,6 +123,8 @@ pub struct PlannerSettings {
     pub poll_lanes: usize,
     /// `poll.full_resync_interval`, to tell when full sweeps fall behind.
     pub full_resync_interval: Duration,
+    /// `poll.tail_guard`: the tail guard as a share of a uniform round (0: none).
+    pub tail_guard: f64,
 }
 
 /// What a ready stream asks for.
@@ -317,13 +320,16 @@ impl PlannerCore {
     }
 
     /// The tail guard: how long a stream that may change waits at most
-    /// between polls ([`TAIL_GUARD_SHARE`] of the round a uniform schedule of
-    /// every stream would take at the paced budget), between the floor and
-    /// the cap; None when the budget is unlimited.
+    /// between polls (`poll.tail_guard` x the round a uniform schedule of
+    /// every stream would take at the rate the budget delivers), between the
+    /// floor and the cap; None when the budget is unlimited or the guard is off.
     pub fn tail_guard(&self) -> Option<Duration> {
         let per_second = self.paced_per_second?;
+        if self.settings.tail_guard.is_nan() || self.settings.tail_guard <= 0.0 {
+            return None;
+        }
         let round: f64 = self.streams.values().map(|p| p.cost.max(1.0)).sum::<f64>() / per_second;
-        let guard = Duration::try_from_secs_f64(round * TAIL_GUARD_SHARE).ok()?;
+        let guard = Duration::try_from_secs_f64(round * self.settings.tail_guard).ok()?;
         // Not `clamp`: settings with the floor above the cap must not panic.
         Some(
             guard
@@ -737,12 +743,19 @@ impl Planner {
     }
 }
 
-/// Requests a second `budget` paces now (None when unlimited).
+/// Requests a second `budget` delivers (None when unlimited): its paced
+/// rate, or what the last complete window really granted when that was less
+/// (a loaded upstream or the lanes' round trips keep it below the pace; a
+/// round computed from the pace would promise a guard no schedule can keep).
 fn paced_per_second(budget: &RateBudget) -> Option<f64> {
-    match budget.paced_per_window() {
-        0 => None,
-        n => Some(f64::from(n) / budget.window().as_secs_f64().max(1e-9)),
-    }
+    let window = budget.window().as_secs_f64().max(1e-9);
+    let paced = match budget.paced_per_window() {
+        0 => return None,
+        n => f64::from(n) / window,
+    };
+    let state = budget.observable_state();
+    let used = f64::from(state.used_last_window) / window;
+    Some(if used > 0.0 { paced.min(used) } else { paced })
 }
 
 /// What the planner knows of one stream, as `status` shows it.
@@ -869,6 +882,7 @@ mod tests {
             max_interval: Duration::from_secs(300),
             poll_lanes: lanes,
             full_resync_interval: Duration::from_secs(3600),
+            tail_guard: TAIL_GUARD_SHARE,
         }
     }
 
@@ -1064,6 +1078,7 @@ mod tests {
             max_interval: secs(3600),
             poll_lanes: 1,
             full_resync_interval: secs(7200),
+            tail_guard: TAIL_GUARD_SHARE,
         });
         let hot = key(1);
         let cool = key(2);
@@ -1180,6 +1195,7 @@ mod tests {
             max_interval: secs(300),
             poll_lanes: POLL_LANES,
             full_resync_interval: secs(3600),
+            tail_guard: TAIL_GUARD_SHARE,
         };
         let polls = simulate(
             settings,
@@ -1207,6 +1223,7 @@ mod tests {
             max_interval: secs(60),
             poll_lanes: POLL_LANES,
             full_resync_interval: secs(3600),
+            tail_guard: TAIL_GUARD_SHARE,
         };
         // 40 streams every 5 s ask for 8 polls a second; the budget grants
         // about one (60 a minute less the reserve: one every 1.05 s). Stream 7
@@ -1444,6 +1461,18 @@ mod tests {
         assert_eq!(core.tail_guard(), Some(secs(30)), "clamped to the floor");
     }
 
+    #[test]
+    fn a_tail_guard_of_zero_turns_it_off() {
+        let mut core = PlannerCore::new(PlannerSettings {
+            tail_guard: 0.0,
+            ..settings(3)
+        });
+        warm(&mut core, &[key(1), key(2)], Instant::now());
+        core.set_paced_rate(Some(0.01));
+        assert_eq!(core.tail_guard(), None);
+        assert_eq!(core.poll_bound(key(1)), secs(300));
+    }
+
     /// Skewed rates as in the freshness benchmark, on tokio's paused clock:
     /// 20 voucher streams (tenant t changes 0.5/t times a second) and 20
     /// category streams that never change share 60 requests a minute. Once
@@ -1457,6 +1486,7 @@ mod tests {
             max_interval: secs(120),
             poll_lanes: POLL_LANES,
             full_resync_interval: secs(3600),
+            tail_guard: TAIL_GUARD_SHARE,
         };
         let budget = RateBudget::new(60);
         let slot = budget.spacing().unwrap();

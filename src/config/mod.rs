@@ -233,6 +233,8 @@ pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
 pub const DEFAULT_MAX_INTERVAL: Duration = Duration::from_secs(300);
 /// Default of `poll.full_sweep_share`.
 pub const DEFAULT_FULL_SWEEP_SHARE: f64 = 0.25;
+/// Default of `poll.tail_guard`: a stream that changes is polled within 0.95 of a uniform round.
+pub const DEFAULT_TAIL_GUARD: f64 = crate::planner::TAIL_GUARD_SHARE;
 /// Default of `poll.max_pages_floor`: a listing of 500,000 records.
 pub const DEFAULT_MAX_PAGES_FLOOR: u64 = 10_000;
 
@@ -282,6 +284,11 @@ pub struct PollConfig {
     /// Share of a contended budget that full-sweep pages may take (0 to 1).
     #[serde(default = "default_full_sweep_share")]
     pub full_sweep_share: f64,
+    /// The planner's tail guard, as a share of the round a uniform schedule
+    /// would take: every stream that changes is polled at least that often
+    /// (0 turns it off: the square-root law alone, the lowest median).
+    #[serde(default = "default_tail_guard")]
+    pub tail_guard: f64,
 }
 
 fn default_interval() -> Duration {
@@ -292,6 +299,9 @@ fn default_max_interval() -> Duration {
 }
 fn default_full_sweep_share() -> f64 {
     DEFAULT_FULL_SWEEP_SHARE
+}
+fn default_tail_guard() -> f64 {
+    DEFAULT_TAIL_GUARD
 }
 fn default_full_resync_interval() -> Duration {
     DEFAULT_FULL_RESYNC_INTERVAL
@@ -328,6 +338,7 @@ impl Default for PollConfig {
             max_interval: default_max_interval(),
             strategy: Strategy::default(),
             full_sweep_share: default_full_sweep_share(),
+            tail_guard: default_tail_guard(),
             full_resync_interval: default_full_resync_interval(),
             lookback: default_lookback(),
             include_relations: default_include_relations(),
@@ -771,6 +782,15 @@ impl PollConfig {
     fn check(&self, problems: &mut Problems) {
         if self.interval.is_zero() {
             problems.bad("poll.interval", "must be greater than 0s");
+        }
+        if !(self.tail_guard == 0.0 || (0.5..=2.0).contains(&self.tail_guard)) {
+            problems.bad(
+                "poll.tail_guard",
+                format!(
+                    "must be 0 (off) or between 0.5 and 2, got {}",
+                    self.tail_guard
+                ),
+            );
         }
         if !(self.full_sweep_share > 0.0 && self.full_sweep_share <= 1.0) {
             problems.bad(
