@@ -49,6 +49,8 @@ pub enum EventType {
     ReplayStarted,
     /// `replay.completed`.
     ReplayCompleted,
+    /// `replay.cancelled`: an operator cancelled the replay before it completed.
+    ReplayCancelled,
     /// A dead letter standing in for an event the sink can never accept; its
     /// payload keeps the original `type`, this only routes it
     /// (`{prefix}.{tenant}.deadletter`, the Kafka dead-letter topic).
@@ -65,6 +67,7 @@ impl EventType {
             EventType::Deleted(Resource::Categories) => "category.deleted",
             EventType::ReplayStarted => "replay.started",
             EventType::ReplayCompleted => "replay.completed",
+            EventType::ReplayCancelled => "replay.cancelled",
             EventType::DeadLetter => "deadletter",
         }
     }
@@ -305,7 +308,7 @@ pub fn record_event(change: &RecordChange<'_>) -> Event {
     }
 }
 
-/// Data of a `replay.started` / `replay.completed` event.
+/// Data of a `replay.started` / `replay.completed` / `replay.cancelled` event.
 #[derive(Debug, Serialize)]
 struct ReplayData<'a> {
     tenant: TenantId,
@@ -333,6 +336,37 @@ pub fn replay_event(
     } else {
         EventType::ReplayStarted
     };
+    replay_frame(stream, ty, replay_id, since, records, now)
+}
+
+/// Builds the `replay.cancelled` event closing what `replay.started` opened;
+/// `records` are the snapshots the replay emitted before it was cancelled.
+pub fn replay_cancelled_event(
+    stream: StreamKey,
+    replay_id: &str,
+    since: Option<&str>,
+    records: u64,
+    now: DateTime<Utc>,
+) -> Event {
+    replay_frame(
+        stream,
+        EventType::ReplayCancelled,
+        replay_id,
+        since,
+        records,
+        now,
+    )
+}
+
+/// A replay frame of type `ty`.
+fn replay_frame(
+    stream: StreamKey,
+    ty: EventType,
+    replay_id: &str,
+    since: Option<&str>,
+    records: u64,
+    now: DateTime<Utc>,
+) -> Event {
     let data = ReplayData {
         tenant: stream.tenant,
         resource: stream.resource,

@@ -101,7 +101,7 @@ fn usage_and_config_errors_exit_2_with_one_line_naming_the_cause() {
     assert_eq!(code, 2);
     assert_eq!(
         stderr.trim(),
-        "error: --tenant 7: not a configured tenant of this daemon: configured tenants are 1"
+        "error: tenant `7` is not streamed by this daemon: configured tenants are 1"
     );
     let (code, _, stderr) = run_cli(&[
         "replay", "--tenant", "1", "--since", "soon", "--config", &good,

@@ -1,0 +1,242 @@
+//! Steering running streams through the admin API of an in-process daemon:
+//! pause and resume (persisted across a restart, no upstream request while
+//! paused), sweep now and recheck, replay list and cancel. The simulator runs
+//! over loopback HTTP, the store is a real sled store, the sink the file sink.
+//! Metrics are process-wide, so every test here uses its own tenants.
+
+mod common;
+
+use std::time::Duration;
+
+use reqwest::{Client, StatusCode};
+use serde_json::{json, Value};
+use voucher_cdc::admin::StatusReport;
+use voucher_cdc::simulator::Simulator;
+use voucher_cdc::stream::Resource;
+
+use common::{spawn_daemon, spawn_small_simulator, wait_until, TestConfig};
+
+const V: Resource = Resource::Vouchers;
+const WAIT: Duration = Duration::from_secs(30);
+
+async fn send(request: reqwest::RequestBuilder) -> (StatusCode, Value) {
+    let response = request.send().await.unwrap();
+    let status = response.status();
+    let body = response.json().await.unwrap_or(Value::Null);
+    (status, body)
+}
+
+async fn status(admin: &str) -> StatusReport {
+    let (code, body) = send(Client::new().get(format!("{admin}/v1/status"))).await;
+    assert_eq!(code, StatusCode::OK, "{body}");
+    serde_json::from_value(body).unwrap()
+}
+
+/// Upstream requests for `tenant`'s catalog in the simulator's log.
+fn requests_for(sim: &Simulator, tenant: u64) -> usize {
+    let prefix = format!("/tenants/{tenant}/");
+    sim.request_log()
+        .iter()
+        .filter(|r| r.path.contains(&prefix))
+        .count()
+}
+
+/// Events of `tenant` about record `id` with `op`.
+fn events_about(events: &[Value], tenant: u64, id: i64, op: &str) -> usize {
+    events
+        .iter()
+        .filter(|e| {
+            e["tenant"] == tenant
+                && e["op"] == op
+                && e["subject"].as_str() == Some(id.to_string().as_str())
+        })
+        .count()
+}
+
+async fn synced(sim: &Simulator, config: &TestConfig, tenants: &[u64]) -> common::TestDaemon {
+    let daemon = spawn_daemon(config).await;
+    wait_until("the initial snapshot reached the file", WAIT, || {
+        common::consumer_view(&daemon.events(), tenants) == common::api_view(sim, tenants)
+    })
+    .await;
+    daemon
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_tenant_sends_no_upstream_request_stays_paused_across_a_restart_and_resumes_from_its_watermark(
+) {
+    let tenants = [11, 12];
+    let sim = spawn_small_simulator(12).await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = TestConfig::for_simulator(&sim, dir.path(), &tenants);
+    let mut daemon = synced(&sim, &config, &tenants).await;
+    let http = Client::new();
+
+    let (code, body) = send(http.post(format!("{}/v1/tenants/11/pause", daemon.admin_url))).await;
+    assert_eq!(code, StatusCode::OK, "{body}");
+    assert_eq!(
+        body,
+        json!({"tenant": 11, "streams": [
+            {"resource": "vouchers", "paused": true, "changed": true},
+            {"resource": "categories", "paused": true, "changed": true}]})
+    );
+    // A sweep in flight when the pause came stops after its page; then silence.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sim.clear_request_log();
+    let changed = sim.record_ids(11, V)[0];
+    sim.update(11, V, changed);
+    let other = sim.record_ids(12, V)[0];
+    sim.update(12, V, other);
+    wait_until("tenant 12's update arrived", WAIT, || {
+        events_about(&daemon.events(), 12, other, "update") == 1
+    })
+    .await;
+    // Several poll intervals (200ms) pass for the unpaused tenant.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(requests_for(&sim, 11), 0, "a paused stream polled");
+    assert!(requests_for(&sim, 12) > 2, "the other tenant kept polling");
+    assert_eq!(events_about(&daemon.events(), 11, changed, "update"), 0);
+
+    let report = status(&daemon.admin_url).await;
+    for s in &report.streams {
+        let pause = s.paused.as_ref().map(|p| p.by.as_str());
+        assert_eq!(pause, (s.tenant == 11).then_some("api"), "{s:?}");
+    }
+    let metrics = http
+        .get(format!("{}/metrics", daemon.admin_url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains(r#"voucher_cdc_stream_paused{tenant="11",resource="vouchers"} 1"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"voucher_cdc_stream_paused{tenant="12",resource="vouchers"} 0"#),
+        "{metrics}"
+    );
+    let (code, body) = send(http.post(format!("{}/v1/tenants/11/sweep", daemon.admin_url))).await;
+    assert_eq!(code, StatusCode::CONFLICT, "{body}");
+    assert_eq!(
+        body["message"],
+        "stream 11/vouchers is paused: resume it first"
+    );
+
+    // The pause is stored: a restarted daemon keeps the tenant paused.
+    daemon.stop().await;
+    let mut daemon = spawn_daemon(&config).await;
+    sim.clear_request_log();
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(
+        requests_for(&sim, 11),
+        0,
+        "the pause did not survive the restart"
+    );
+    assert!(status(&daemon.admin_url)
+        .await
+        .streams
+        .iter()
+        .filter(|s| s.tenant == 11)
+        .all(|s| s.paused.is_some()));
+
+    let before = daemon.events().len();
+    let (code, body) = send(
+        http.post(format!("{}/v1/tenants/11/resume", daemon.admin_url))
+            .json(&json!({"resource": "vouchers"})),
+    )
+    .await;
+    assert_eq!(code, StatusCode::OK, "{body}");
+    assert_eq!(
+        body["streams"],
+        json!([{"resource": "vouchers", "paused": false, "changed": true}])
+    );
+    wait_until("the change made while paused arrived", WAIT, || {
+        events_about(&daemon.events(), 11, changed, "update") == 1
+    })
+    .await;
+    let after: Vec<Value> = daemon.events()[before..].to_vec();
+    assert!(
+        after.iter().all(|e| e["op"] != "snapshot"),
+        "resume went on from the watermark, not a new snapshot"
+    );
+    let (_, body) = send(http.post(format!("{}/v1/tenants/11/resume", daemon.admin_url))).await;
+    assert_eq!(
+        body["streams"],
+        json!([
+            {"resource": "vouchers", "paused": false, "changed": false},
+            {"resource": "categories", "paused": false, "changed": true}])
+    );
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sweep_now_runs_an_incremental_or_full_sweep_at_once_and_recheck_is_only_for_parked_streams(
+) {
+    let tenants = [13];
+    let sim = spawn_small_simulator(13).await;
+    let dir = tempfile::tempdir().unwrap();
+    // Nothing sweeps on its own after the first sync within the test.
+    let config = TestConfig::for_simulator(&sim, dir.path(), &tenants)
+        .with_poll_interval(Duration::from_secs(3600))
+        .with_full_resync_interval(Duration::from_secs(7200));
+    let mut daemon = synced(&sim, &config, &tenants).await;
+    let http = Client::new();
+    let admin = daemon.admin_url.clone();
+
+    let changed = sim.record_ids(13, V)[0];
+    sim.update(13, V, changed);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(events_about(&daemon.events(), 13, changed, "update"), 0);
+    let (code, body) = send(
+        http.post(format!("{admin}/v1/tenants/13/sweep"))
+            .json(&json!({"resource": "vouchers"})),
+    )
+    .await;
+    assert_eq!(code, StatusCode::ACCEPTED, "{body}");
+    assert_eq!(
+        body,
+        json!({"tenant": 13, "kind": "incremental", "resources": ["vouchers"]})
+    );
+    wait_until("the swept update arrived", WAIT, || {
+        events_about(&daemon.events(), 13, changed, "update") == 1
+    })
+    .await;
+
+    // Only a full sweep sees a delete.
+    let gone = sim.record_ids(13, V)[1];
+    sim.delete(13, V, gone);
+    let (code, body) = send(
+        http.post(format!("{admin}/v1/tenants/13/sweep"))
+            .query(&[("kind", "full"), ("resource", "vouchers")]),
+    )
+    .await;
+    assert_eq!(code, StatusCode::ACCEPTED, "{body}");
+    wait_until("the delete found by the full sweep arrived", WAIT, || {
+        events_about(&daemon.events(), 13, gone, "delete") == 1
+    })
+    .await;
+
+    let (code, body) = send(
+        http.post(format!("{admin}/v1/tenants/13/sweep"))
+            .json(&json!({"kind": "everything"})),
+    )
+    .await;
+    assert_eq!(code, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert_eq!(
+        body["errors"]["kind"],
+        json!(["unknown sweep kind `everything`: valid options are incremental, full"])
+    );
+    let (code, body) = send(http.post(format!("{admin}/v1/tenants/13/recheck"))).await;
+    assert_eq!(code, StatusCode::CONFLICT, "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("no parked stream to recheck among 13/vouchers, 13/categories"),
+        "{body}"
+    );
+    daemon.stop().await;
+}
