@@ -277,6 +277,7 @@ impl From<ControlError> for ApiError {
             }
             ControlError::UnknownTenant { .. } | ControlError::NotFound(_) => StatusCode::NOT_FOUND,
             ControlError::Refused(_) => StatusCode::CONFLICT,
+            ControlError::Unreadable(_) => StatusCode::BAD_REQUEST,
             ControlError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ControlError::State(_) => StatusCode::INTERNAL_SERVER_ERROR,
         };

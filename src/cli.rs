@@ -5,7 +5,7 @@
 //! `status`, `replay`, `replays`, `cancel-replay`, `pause`, `resume`,
 //! `sweep` and `recheck` open the state store directly when no daemon holds
 //! it, and go through the daemon's admin API when one does (the store is
-//! then locked).
+//! then locked); `state export|import|reset` need the store to themselves.
 //! Each command only translates its arguments to a use case of
 //! `crate::control` and prints the answer.
 
@@ -161,6 +161,12 @@ pub enum Command {
         #[command(flatten)]
         target: StreamArgs,
     },
+    /// Export, import or forget stream state (the store must not be held by a daemon).
+    State {
+        /// What to do.
+        #[command(subcommand)]
+        command: StateCommand,
+    },
     /// Validate and print the effective config, secrets redacted.
     CheckConfig {
         /// Config file (TOML).
@@ -184,6 +190,46 @@ pub struct StreamArgs {
     /// Ask the daemon at this admin API URL (e.g. through `kubectl port-forward`).
     #[command(flatten)]
     pub remote: Remote,
+}
+
+/// `state export|import|reset`.
+#[derive(Debug, Subcommand)]
+pub enum StateCommand {
+    /// Write the state of the configured streams as versioned JSON lines to stdout.
+    Export {
+        /// Config file (TOML).
+        #[arg(long, short, env = "VOUCHER_CDC_CONFIG")]
+        config: Option<PathBuf>,
+        /// Only this tenant.
+        #[arg(long)]
+        tenant: Option<TenantId>,
+        /// Only this resource.
+        #[arg(long)]
+        resource: Option<Resource>,
+    },
+    /// Load an export (from FILE, or stdin with `-`) into the store.
+    Import {
+        /// The export file, `-` for stdin.
+        file: PathBuf,
+        /// Config file (TOML).
+        #[arg(long, short, env = "VOUCHER_CDC_CONFIG")]
+        config: Option<PathBuf>,
+        /// Overwrite streams the store already holds.
+        #[arg(long)]
+        replace: bool,
+    },
+    /// Forget a tenant's streams (or one): the next sweep is a first sync.
+    Reset {
+        /// Config file (TOML).
+        #[arg(long, short, env = "VOUCHER_CDC_CONFIG")]
+        config: Option<PathBuf>,
+        /// The tenant.
+        #[arg(long)]
+        tenant: TenantId,
+        /// Only this resource.
+        #[arg(long)]
+        resource: Option<Resource>,
+    },
 }
 
 /// `--admin-url` / `--admin-token` of `status` and `replay`.
@@ -273,6 +319,7 @@ pub async fn run(cli: Cli) -> u8 {
             sweep_now(&target, Some(kind)).await
         }
         Command::Recheck { target } => sweep_now(&target, None).await,
+        Command::State { command } => state_command(command),
     };
     match result {
         Ok(()) => EXIT_OK,
@@ -982,6 +1029,95 @@ async fn cancel_replay(path: Option<&Path>, id: &str, remote: &Remote) -> Result
         plural(cancelled.records, "record")
     );
     Ok(())
+}
+
+/// Opens the store at `state.path` of the config for `state` commands,
+/// which need it to themselves; `create` for an import into a new store.
+fn exclusive_store(path: Option<&Path>, create: bool) -> Result<SledStore, Failure> {
+    let cfg = load_config_for_reading(path)?;
+    telemetry::init_logging(cfg.log.format, "warn");
+    let path = absolute(&cfg.state.path);
+    if !create && !path.exists() {
+        return Err(Failure::runtime(format!(
+            "no state store at {} (a relative state.path is read from the current directory)",
+            path.display()
+        )));
+    }
+    SledStore::open(&path).map_err(|e| match e {
+        StateError::Locked { path } => Failure::runtime(format!(
+            "state store {} is held by a running daemon: stop it first (state export, import and reset need the store to themselves)",
+            path.display()
+        )),
+        e => Failure::runtime(e.to_string()),
+    })
+}
+
+/// `exported 1/vouchers: 20 records, 0 tombstones, 0 pending intents`.
+fn moved(verb: &str, c: &control::state_file::StreamCounts) -> String {
+    format!(
+        "{verb} {}: {}, {}, {}",
+        c.stream,
+        plural(c.records, "record"),
+        plural(c.tombstones, "tombstone"),
+        plural(c.intents, "pending intent")
+    )
+}
+
+fn state_command(command: StateCommand) -> Result<(), Failure> {
+    match command {
+        StateCommand::Export {
+            config,
+            tenant,
+            resource,
+        } => {
+            let store = exclusive_store(config.as_deref(), false)?;
+            let stdout = std::io::stdout();
+            let mut out = std::io::BufWriter::new(stdout.lock());
+            let counts = control::state_file::export(&store, tenant, resource, &mut out)
+                .map_err(control_failure)?;
+            for c in counts {
+                eprintln!("{}", moved("exported", &c));
+            }
+            Ok(())
+        }
+        StateCommand::Import {
+            file,
+            config,
+            replace,
+        } => {
+            let mut input: Box<dyn std::io::BufRead> = if file.as_os_str() == "-" {
+                Box::new(std::io::BufReader::new(std::io::stdin()))
+            } else {
+                let opened = std::fs::File::open(&file).map_err(|e| {
+                    Failure::runtime(format!("cannot open {}: {e}", file.display()))
+                })?;
+                Box::new(std::io::BufReader::new(opened))
+            };
+            let store = exclusive_store(config.as_deref(), true)?;
+            let counts = control::state_file::import(&store, &mut input, replace)
+                .map_err(control_failure)?;
+            for c in counts {
+                println!("{}", moved("imported", &c));
+            }
+            Ok(())
+        }
+        StateCommand::Reset {
+            config,
+            tenant,
+            resource,
+        } => {
+            let store = exclusive_store(config.as_deref(), false)?;
+            for (key, records) in
+                control::state_file::reset(&store, tenant, resource).map_err(control_failure)?
+            {
+                println!(
+                    "forgot {key} ({}): its next sweep is a first sync",
+                    plural(records, "record")
+                );
+            }
+            Ok(())
+        }
+    }
 }
 
 /// `1 page`, `2 pages`, `3 categories`: a count with its noun.

@@ -1,5 +1,5 @@
 //! The operator's use cases, one module each: status, replay, pause and
-//! resume, and sweep now. The CLI (`crate::cli`)
+//! resume, sweep now, and state export, import and reset. The CLI (`crate::cli`)
 //! and the admin API (`crate::admin`) only translate arguments and HTTP into
 //! these calls and their answers back, so a rule such as which streams a
 //! `--tenant`/`--resource` pair names is written once, here.
@@ -10,6 +10,7 @@
 
 pub mod pause;
 pub mod replay;
+pub mod state_file;
 pub mod sweep;
 
 use std::collections::HashMap;
@@ -48,6 +49,9 @@ pub enum ControlError {
     /// The daemon is stopping; the stream's task is gone.
     #[error("{0}")]
     Unavailable(String),
+    /// Input (a state export) cannot be read or output cannot be written.
+    #[error("{0}")]
+    Unreadable(String),
     /// The state store failed.
     #[error(transparent)]
     State(#[from] StateError),
