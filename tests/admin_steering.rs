@@ -240,3 +240,123 @@ async fn sweep_now_runs_an_incremental_or_full_sweep_at_once_and_recheck_is_only
     );
     daemon.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_is_listed_with_its_progress_and_a_cancel_closes_it_with_replay_cancelled() {
+    let tenants = [14];
+    let sim = common::spawn_catalog(14, 300, 5).await;
+    let dir = tempfile::tempdir().unwrap();
+    let port = common::free_port();
+    let config = TestConfig::for_simulator(&sim, dir.path(), &tenants).with_admin_port(port);
+    let config_path = config.write(&dir.path().join("voucher-cdc.toml"));
+    let config_path = config_path.display().to_string();
+    let mut daemon = synced(&sim, &config, &tenants).await;
+    let http = Client::new();
+    let admin = daemon.admin_url.clone();
+
+    // Six pages at 300ms each: the replay runs long enough to be cancelled.
+    sim.set_latency(Duration::from_millis(300));
+    let (code, stdout, stderr) = common::run_cli(&[
+        "replay",
+        "--tenant",
+        "14",
+        "--resource",
+        "vouchers",
+        "--config",
+        &config_path,
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let replay_id = stdout.split_whitespace().nth(1).unwrap().to_string();
+    wait_until("the replay started", WAIT, || {
+        daemon
+            .events()
+            .iter()
+            .any(|e| e["type"] == "replay.started" && e["replayid"] == replay_id.as_str())
+    })
+    .await;
+
+    let (code, body) = send(http.get(format!("{admin}/v1/replays"))).await;
+    assert_eq!(code, StatusCode::OK, "{body}");
+    assert_eq!(body.as_array().unwrap().len(), 1, "{body}");
+    assert_eq!(body[0]["replay_id"], replay_id.as_str());
+    assert_eq!(body[0]["phase"], "running");
+    assert_eq!(
+        body[0]["requested_by"], "cli",
+        "the CLI marks what it asks the API"
+    );
+    assert!(body[0]["requested_at"].is_string());
+    let (code, table, stderr) = common::run_cli(&["replays", "--config", &config_path]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        table.lines().any(|l| l.starts_with(&replay_id)
+            && l.contains("14/vouchers")
+            && l.contains("running")
+            && l.contains(" cli ")),
+        "{table}"
+    );
+
+    let (code, stdout, stderr) =
+        common::run_cli(&["cancel-replay", &replay_id, "--config", &config_path]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stdout.starts_with(&format!(
+            "replay {replay_id} of 14/vouchers cancelled after "
+        )),
+        "{stdout}"
+    );
+    wait_until("replay.cancelled closed the replay", WAIT, || {
+        daemon
+            .events()
+            .iter()
+            .any(|e| e["type"] == "replay.cancelled" && e["replayid"] == replay_id.as_str())
+    })
+    .await;
+    sim.set_latency(Duration::ZERO);
+    // The stream goes on from its watermark from before the replay: an
+    // update arrives as an update, and the replay never completes.
+    let changed = sim.record_ids(14, V)[7];
+    sim.update(14, V, changed);
+    wait_until("the update after the cancel arrived", WAIT, || {
+        events_about(&daemon.events(), 14, changed, "update") == 1
+    })
+    .await;
+    let events = daemon.events();
+    let cancelled_at = events
+        .iter()
+        .position(|e| e["type"] == "replay.cancelled")
+        .unwrap();
+    let frame = &events[cancelled_at];
+    let emitted = events
+        .iter()
+        .filter(|e| e["op"] == "snapshot" && e["replayid"] == replay_id.as_str())
+        .count();
+    assert!(
+        emitted < 300,
+        "the replay stopped early: {emitted} snapshots"
+    );
+    assert!(
+        events[cancelled_at..]
+            .iter()
+            .all(|e| e["replayid"] != replay_id.as_str() || e["type"] == "replay.cancelled"),
+        "nothing of the replay after its cancel"
+    );
+    assert_eq!(frame["data"]["tenant"], 14);
+    assert!(events.iter().all(|e| e["type"] != "replay.completed"));
+
+    let (code, body) = send(http.get(format!("{admin}/v1/replays"))).await;
+    assert_eq!(code, StatusCode::OK);
+    assert_eq!(body[0]["phase"], "cancelled", "{body}");
+    assert!(body[0]["cancelled_at"].is_string());
+    let (code, body) = send(http.post(format!("{admin}/v1/replays/{replay_id}/cancel"))).await;
+    assert_eq!(code, StatusCode::CONFLICT, "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .unwrap()
+            .ends_with("is cancelled already: only a pending replay can be cancelled"),
+        "{body}"
+    );
+    let (code, body) = send(http.post(format!("{admin}/v1/replays/0123/cancel"))).await;
+    assert_eq!(code, StatusCode::NOT_FOUND, "{body}");
+    daemon.stop().await;
+}
