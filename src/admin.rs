@@ -2,7 +2,8 @@
 //! Prometheus metrics, per-stream status, and the operator's steering (replay
 //! and cancel, pause and resume, sweep now and recheck), so operators and the
 //! CLI can work while the daemon holds the state store. The handlers only
-//! translate HTTP to the use cases of `crate::control` and back.
+//! translate HTTP to the use cases of `crate::control` and back; the routes
+//! are described by `schemas/admin-openapi.json`, served at `/v1/openapi.json`.
 //!
 //! Every `/v1` endpoint requires `Authorization: Bearer <admin.token>` when a
 //! token is configured; errors are JSON `{"message": ...}` (422 adds
@@ -309,6 +310,7 @@ pub fn router(state: Arc<AdminState>) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_endpoint))
         .route("/v1/status", get(status))
+        .route("/v1/openapi.json", get(openapi))
         .route("/v1/replays", get(replays))
         .route("/v1/replays/{id}/cancel", post(cancel_replay))
         .route("/v1/tenants/{tenant}/replay", post(replay))
@@ -350,7 +352,8 @@ async fn not_found() -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
         "no such endpoint: valid ones are /healthz, /readyz, /metrics, GET /v1/status, GET /v1/replays, \
-         POST /v1/replays/{id}/cancel, POST /v1/tenants/{tenant}/replay|pause|resume|sweep|recheck",
+         POST /v1/replays/{id}/cancel, POST /v1/tenants/{tenant}/replay|pause|resume|sweep|recheck, \
+         GET /v1/openapi.json",
     )
 }
 
@@ -690,6 +693,17 @@ async fn steer<const ACTION: u8>(
     };
     let response = control::sweep::sweep_now(runtime, tenant, &targets, kind, recheck).await?;
     Ok((StatusCode::ACCEPTED, Json(response)).into_response())
+}
+
+/// The OpenAPI 3 description of this API (`schemas/admin-openapi.json`).
+pub const OPENAPI: &str = include_str!("../schemas/admin-openapi.json");
+
+async fn openapi(
+    State(state): State<Arc<AdminState>>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers)?;
+    Ok(([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response())
 }
 
 #[cfg(test)]
