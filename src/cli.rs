@@ -729,7 +729,7 @@ async fn status(path: Option<&Path>, json: bool, remote: &Remote) -> Result<(), 
                 Some(cfg) => owned_streams(cfg)?,
                 None => Vec::new(),
             };
-            let mut streams = admin::status_from_store(store, &streams, now)
+            let mut streams = control::status::status_from_store(store, &streams, now)
                 .map_err(|e| Failure::runtime(e.to_string()))?;
             // Nobody holds the store: no sweep can be running now.
             for s in &mut streams {

@@ -11,6 +11,7 @@
 pub mod pause;
 pub mod replay;
 pub mod state_file;
+pub mod status;
 pub mod sweep;
 
 use std::collections::HashMap;
