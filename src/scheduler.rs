@@ -832,6 +832,24 @@ mod tests {
     }
 
     #[test]
+    fn a_wake_is_due_now_and_a_full_sweep_asked_for_wins_over_an_incremental_one() {
+        let later = tokio::time::Instant::now() + Duration::from_secs(60);
+        let mut pace = Pace {
+            ready_at: later,
+            forced: None,
+        };
+        pace.wake(None);
+        assert!(pace.ready_at < later);
+        assert_eq!(pace.forced, None, "whichever is due");
+        pace.wake(Some(SweepKind::Incremental));
+        assert_eq!(pace.forced, Some(SweepKind::Incremental));
+        pace.wake(Some(SweepKind::Full));
+        pace.wake(Some(SweepKind::Incremental));
+        pace.wake(None);
+        assert_eq!(pace.forced, Some(SweepKind::Full));
+    }
+
+    #[test]
     fn only_a_completed_sweep_counts_as_ok() {
         assert!(StepOutcome::Swept(SweepReport::default()).is_ok());
         assert_eq!(

@@ -11,7 +11,8 @@ use std::time::Duration;
 use reqwest::{Client, StatusCode};
 use serde_json::{json, Value};
 use voucher_cdc::admin::StatusReport;
-use voucher_cdc::simulator::Simulator;
+use voucher_cdc::planner::Strategy;
+use voucher_cdc::simulator::{Permission, Simulator};
 use voucher_cdc::stream::Resource;
 
 use common::{spawn_daemon, spawn_small_simulator, wait_until, TestConfig};
@@ -173,54 +174,66 @@ async fn a_paused_tenant_sends_no_upstream_request_stays_paused_across_a_restart
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sweep_now_runs_an_incremental_or_full_sweep_at_once_and_recheck_is_only_for_parked_streams(
-) {
-    let tenants = [13];
-    let sim = spawn_small_simulator(13).await;
+async fn sweep_now_under_the_adaptive_planner_asks_for_its_turn_at_once() {
+    sweep_now_runs_an_incremental_or_full_sweep_at_once(13, Strategy::Adaptive).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sweep_now_on_the_streams_own_timer_sweeps_at_once() {
+    sweep_now_runs_an_incremental_or_full_sweep_at_once(15, Strategy::Uniform).await;
+}
+
+/// Sweep now wakes `tenant`'s streams (which would otherwise not sweep again
+/// for an hour) for an incremental or a full sweep, under `strategy`; a
+/// recheck is refused while no stream is parked.
+async fn sweep_now_runs_an_incremental_or_full_sweep_at_once(tenant: u64, strategy: Strategy) {
+    let tenants = [tenant];
+    let sim = spawn_small_simulator(tenant).await;
     let dir = tempfile::tempdir().unwrap();
     // Nothing sweeps on its own after the first sync within the test.
     let config = TestConfig::for_simulator(&sim, dir.path(), &tenants)
+        .with_strategy(strategy)
         .with_poll_interval(Duration::from_secs(3600))
         .with_full_resync_interval(Duration::from_secs(7200));
     let mut daemon = synced(&sim, &config, &tenants).await;
     let http = Client::new();
     let admin = daemon.admin_url.clone();
 
-    let changed = sim.record_ids(13, V)[0];
-    sim.update(13, V, changed);
+    let changed = sim.record_ids(tenant, V)[0];
+    sim.update(tenant, V, changed);
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(events_about(&daemon.events(), 13, changed, "update"), 0);
+    assert_eq!(events_about(&daemon.events(), tenant, changed, "update"), 0);
     let (code, body) = send(
-        http.post(format!("{admin}/v1/tenants/13/sweep"))
+        http.post(format!("{admin}/v1/tenants/{tenant}/sweep"))
             .json(&json!({"resource": "vouchers"})),
     )
     .await;
     assert_eq!(code, StatusCode::ACCEPTED, "{body}");
     assert_eq!(
         body,
-        json!({"tenant": 13, "kind": "incremental", "resources": ["vouchers"]})
+        json!({"tenant": tenant, "kind": "incremental", "resources": ["vouchers"]})
     );
     wait_until("the swept update arrived", WAIT, || {
-        events_about(&daemon.events(), 13, changed, "update") == 1
+        events_about(&daemon.events(), tenant, changed, "update") == 1
     })
     .await;
 
     // Only a full sweep sees a delete.
-    let gone = sim.record_ids(13, V)[1];
-    sim.delete(13, V, gone);
+    let gone = sim.record_ids(tenant, V)[1];
+    sim.delete(tenant, V, gone);
     let (code, body) = send(
-        http.post(format!("{admin}/v1/tenants/13/sweep"))
+        http.post(format!("{admin}/v1/tenants/{tenant}/sweep"))
             .query(&[("kind", "full"), ("resource", "vouchers")]),
     )
     .await;
     assert_eq!(code, StatusCode::ACCEPTED, "{body}");
     wait_until("the delete found by the full sweep arrived", WAIT, || {
-        events_about(&daemon.events(), 13, gone, "delete") == 1
+        events_about(&daemon.events(), tenant, gone, "delete") == 1
     })
     .await;
 
     let (code, body) = send(
-        http.post(format!("{admin}/v1/tenants/13/sweep"))
+        http.post(format!("{admin}/v1/tenants/{tenant}/sweep"))
             .json(&json!({"kind": "everything"})),
     )
     .await;
@@ -229,13 +242,12 @@ async fn sweep_now_runs_an_incremental_or_full_sweep_at_once_and_recheck_is_only
         body["errors"]["kind"],
         json!(["unknown sweep kind `everything`: valid options are incremental, full"])
     );
-    let (code, body) = send(http.post(format!("{admin}/v1/tenants/13/recheck"))).await;
+    let (code, body) = send(http.post(format!("{admin}/v1/tenants/{tenant}/recheck"))).await;
     assert_eq!(code, StatusCode::CONFLICT, "{body}");
     assert!(
-        body["message"]
-            .as_str()
-            .unwrap()
-            .starts_with("no parked stream to recheck among 13/vouchers, 13/categories"),
+        body["message"].as_str().unwrap().starts_with(&format!(
+            "no parked stream to recheck among {tenant}/vouchers, {tenant}/categories"
+        )),
         "{body}"
     );
     daemon.stop().await;
@@ -358,5 +370,72 @@ async fn a_replay_is_listed_with_its_progress_and_a_cancel_closes_it_with_replay
     );
     let (code, body) = send(http.post(format!("{admin}/v1/replays/0123/cancel"))).await;
     assert_eq!(code, StatusCode::NOT_FOUND, "{body}");
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recheck_tries_a_parked_stream_now_instead_of_after_the_recheck_interval() {
+    let tenants = [16, 17];
+    let sim = spawn_small_simulator(17).await;
+    sim.add_token("only-16", Some(vec![16]), &Permission::ALL);
+    let dir = tempfile::tempdir().unwrap();
+    let config = TestConfig::new(&sim.base_url(), "only-16", dir.path(), &tenants)
+        .with_park_recheck_interval(Duration::from_secs(3600));
+    let mut daemon = spawn_daemon(&config).await;
+    let admin = daemon.admin_url.clone();
+    let http = Client::new();
+    wait_until("tenant 17 parked", WAIT, || {
+        std::fs::read_to_string(&daemon.events_path).is_ok_and(|t| !t.is_empty())
+    })
+    .await;
+    let deadline = std::time::Instant::now() + WAIT;
+    while !status(&admin)
+        .await
+        .streams
+        .iter()
+        .filter(|s| s.tenant == 17)
+        .all(|s| s.parked.is_some())
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "tenant 17 never parked"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // Access fixed upstream; without a recheck the daemon would wait an hour.
+    sim.add_token("only-16", Some(vec![16, 17]), &Permission::ALL);
+    let (code, body) = send(
+        http.post(format!("{admin}/v1/tenants/17/recheck"))
+            .json(&json!({"resource": "categories"})),
+    )
+    .await;
+    assert_eq!(code, StatusCode::ACCEPTED, "{body}");
+    assert_eq!(
+        body,
+        json!({"tenant": 17, "kind": "due", "resources": ["categories"]})
+    );
+    wait_until("the rechecked stream synced", WAIT, || {
+        daemon
+            .events()
+            .iter()
+            .filter(|e| e["tenant"] == 17 && e["op"] == "snapshot")
+            .count()
+            == 5
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let report = status(&admin).await;
+    let parked: Vec<String> = report
+        .streams
+        .iter()
+        .filter(|s| s.parked.is_some())
+        .map(|s| s.key().to_string())
+        .collect();
+    assert_eq!(
+        parked,
+        ["17/vouchers"],
+        "only the rechecked stream unparked"
+    );
     daemon.stop().await;
 }

@@ -217,6 +217,26 @@ async fn run_stops_cleanly_with_exit_0_on_sigterm_and_no_secret_reaches_trace_lo
     assert!(lines.iter().any(|l| l["message"] == "daemon stopped"));
 }
 
+/// Runs `replay --tenant 1 --resource vouchers` on `config`; returns the replay id and stdout.
+fn replay_vouchers_of_tenant_1(config: &str) -> (String, String) {
+    let (code, stdout, stderr) = run_cli(&[
+        "replay",
+        "--tenant",
+        "1",
+        "--resource",
+        "vouchers",
+        "--config",
+        config,
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let replay_id = stdout
+        .strip_prefix("replay ")
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap()
+        .to_string();
+    (replay_id, stdout)
+}
+
 fn tail(text: &str) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(20)..].join("\n")
@@ -265,21 +285,7 @@ async fn status_and_replay_go_through_the_admin_api_while_a_daemon_runs_and_to_t
             "{table}"
         );
     }
-    let (code, stdout, stderr) = run_cli(&[
-        "replay",
-        "--tenant",
-        "1",
-        "--resource",
-        "vouchers",
-        "--config",
-        &config,
-    ]);
-    assert_eq!(code, 0, "{stderr}");
-    let replay_id = stdout
-        .strip_prefix("replay ")
-        .and_then(|rest| rest.split_whitespace().next())
-        .unwrap()
-        .to_string();
+    let (replay_id, stdout) = replay_vouchers_of_tenant_1(&config);
     assert!(
         stdout
             .trim_end()
@@ -702,6 +708,36 @@ async fn state_export_import_and_reset_move_a_tenant_between_stores_and_refuse_a
     let events = read_events(&new_dir.join("events.jsonl"));
     assert_eq!(events.len(), 1, "{events:?}");
     assert_eq!(events[0]["op"], "update");
+
+    // A replay scheduled and cancelled on the store: the watermark comes back.
+    let watermark = |path: &str| {
+        let (_, json, _) = run_cli(&["status", "--json", "--config", path]);
+        let report: StatusReport = serde_json::from_str(&json).unwrap();
+        report
+            .streams
+            .iter()
+            .find(|s| s.key() == StreamKey::new(1, Resource::Vouchers))
+            .unwrap()
+            .watermark
+    };
+    let before = watermark(&new);
+    assert!(before.is_some());
+    let (replay_id, _) = replay_vouchers_of_tenant_1(&new);
+    assert_eq!(watermark(&new), None, "a replay without --since clears it");
+    let (code, table, stderr) = run_cli(&["replays", "--config", &new]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with(&replay_id) && l.contains("scheduled") && l.contains(" cli ")),
+        "{table}"
+    );
+    let (code, _, stderr) = run_cli(&["cancel-replay", &replay_id, "--config", &new]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(watermark(&new), before);
+    let (code, _, stderr) = run_cli(&["cancel-replay", &replay_id, "--config", &new]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("is cancelled already"), "{stderr}");
 
     let (code, stdout, stderr) = run_cli(&["state", "reset", "--tenant", "1", "--config", &new]);
     assert_eq!(code, 0, "{stderr}");
