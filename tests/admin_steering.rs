@@ -287,8 +287,17 @@ async fn a_replay_is_listed_with_its_progress_and_a_cancel_closes_it_with_replay
     })
     .await;
 
-    let (code, body) = send(http.get(format!("{admin}/v1/replays"))).await;
-    assert_eq!(code, StatusCode::OK, "{body}");
+    // Progress shows page by page while the replay runs.
+    let deadline = std::time::Instant::now() + WAIT;
+    let body = loop {
+        let (code, body) = send(http.get(format!("{admin}/v1/replays"))).await;
+        assert_eq!(code, StatusCode::OK, "{body}");
+        if body[0]["records"].as_u64().unwrap_or(0) >= 50 {
+            break body;
+        }
+        assert!(std::time::Instant::now() < deadline, "no progress: {body}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     assert_eq!(body.as_array().unwrap().len(), 1, "{body}");
     assert_eq!(body[0]["replay_id"], replay_id.as_str());
     assert_eq!(body[0]["phase"], "running");

@@ -93,7 +93,7 @@ pub struct ReplayStatus {
     pub requested_at: DateTime<Utc>,
     /// Who asked: `cli` (on the store) or `api`; None for a replay recorded before this was kept.
     pub requested_by: Option<RequestedBy>,
-    /// Snapshots it emitted so far, as of its last finished or stopped sweep.
+    /// Snapshots it emitted so far: live, page by page, while it runs.
     pub records: u64,
     /// When it was cancelled.
     pub cancelled_at: Option<DateTime<Utc>>,
@@ -120,6 +120,16 @@ pub fn list(
         } else {
             ReplayPhase::Scheduled
         };
+        let records = match replay.epoch.filter(|_| phase == ReplayPhase::Running) {
+            // Every record a replay lists is emitted and committed with its
+            // epoch, page by page: those are its snapshots so far, across runs.
+            Some(epoch) => {
+                let behind = store.unseen_records(key, epoch)?.len() as u64;
+                let passed = store.record_count(key)?.saturating_sub(behind);
+                passed.max(replay.records)
+            }
+            None => replay.records,
+        };
         out.push(ReplayStatus {
             tenant: key.tenant,
             resource: key.resource,
@@ -128,7 +138,7 @@ pub fn list(
             since: replay.since,
             requested_at: replay.requested_at,
             requested_by: replay.requested_by,
-            records: replay.records,
+            records,
             cancelled_at: replay.cancelled_at,
         });
     }
