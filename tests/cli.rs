@@ -300,6 +300,40 @@ async fn status_and_replay_go_through_the_admin_api_while_a_daemon_runs_and_to_t
     })
     .await;
 
+    // Steering goes through the daemon too.
+    let through = format!(
+        "written to: daemon at http://127.0.0.1:{port} (it holds the state store {})",
+        dir.path().join("state").display()
+    );
+    let (code, stdout, stderr) = run_cli(&["pause", "--tenant", "2", "--config", &config]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(
+        stdout.lines().collect::<Vec<_>>(),
+        ["2/vouchers paused", "2/categories paused", through.as_str()]
+    );
+    let (code, _, stderr) = run_cli(&["sweep", "--tenant", "2", "--config", &config]);
+    assert_eq!(code, 1);
+    assert!(
+        stderr.trim().ends_with(
+            "answered 409 to POST /v1/tenants/2/sweep: stream 2/vouchers is paused: resume it first"
+        ),
+        "{stderr}"
+    );
+    let (code, _, stderr) = run_cli(&["resume", "--tenant", "2", "--config", &config]);
+    assert_eq!(code, 0, "{stderr}");
+    let (code, stdout, stderr) = run_cli(&[
+        "sweep",
+        "--tenant",
+        "2",
+        "--resource",
+        "categories",
+        "--full",
+        "--config",
+        &config,
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(stdout.trim(), "2/categories: full sweep started");
+
     // A wrong admin token is refused with the admin API's own message.
     let wrong = write_config(
         dir.path(),

@@ -9,7 +9,9 @@ mod schema;
 use chrono::{TimeZone, Utc};
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
-use voucher_cdc::event::{record_event, replay_event, Event, Op, RecordChange};
+use voucher_cdc::event::{
+    record_event, replay_cancelled_event, replay_event, Event, Op, RecordChange,
+};
 use voucher_cdc::hash::{content_hash, ContentHash, IgnoreKeys};
 use voucher_cdc::state::replay_id_bytes;
 use voucher_cdc::stream::{Resource, StreamKey};
@@ -83,7 +85,7 @@ fn all_record_events() -> Vec<Event> {
     events
 }
 
-/// The replay framing events, with and without `--since`.
+/// The replay framing events (started, completed, cancelled), with and without `--since`.
 fn all_replay_events() -> Vec<Event> {
     let now = Utc.with_ymd_and_hms(2025, 3, 1, 11, 0, 0).unwrap();
     let mut events = Vec::new();
@@ -108,6 +110,7 @@ fn all_replay_events() -> Vec<Event> {
         let since = Some("2025-02-01T00:00:00Z");
         events.push(replay_event(stream, "r-01hq4", since, false, 0, now));
         events.push(replay_event(stream, "r-01hq4", since, true, 3, now));
+        events.push(replay_cancelled_event(stream, "r-01hq4", since, 2, now));
     }
     events
 }
@@ -143,10 +146,11 @@ fn every_record_event_type_and_op_matches_the_schema() {
 }
 
 #[test]
-fn replay_started_and_completed_events_match_the_schema() {
+fn replay_started_completed_and_cancelled_events_match_the_schema() {
     let events = all_replay_events();
     assert!(events.iter().any(|e| e.ty.as_str() == "replay.started"));
     assert!(events.iter().any(|e| e.ty.as_str() == "replay.completed"));
+    assert!(events.iter().any(|e| e.ty.as_str() == "replay.cancelled"));
     for event in &events {
         assert_valid_event(&event.payload);
         assert!(as_json(event).get("op").is_none());
