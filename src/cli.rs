@@ -2,9 +2,12 @@
 //! process exit code: 0 ok, 2 usage or config error, 1 runtime failure; every
 //! error is printed as one `error: ...` line naming its cause.
 //!
-//! `status` and `replay` open the state store directly when no daemon holds
+//! `status`, `replay`, `replays`, `cancel-replay`, `pause`, `resume`,
+//! `sweep` and `recheck` open the state store directly when no daemon holds
 //! it, and go through the daemon's admin API when one does (the store is
-//! then locked).
+//! then locked); `state export|import|reset` need the store to themselves.
+//! Each command only translates its arguments to a use case of
+//! `crate::control` and prints the answer.
 
 use std::collections::HashMap;
 use std::io::IsTerminal;
@@ -15,13 +18,17 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use clap::{Parser, Subcommand};
 
-use crate::admin::{self, ReplayResponse, ScheduledReplay, StatusReport};
+use crate::admin::{self, StatusReport};
 use crate::config::{self, Config};
+use crate::control::pause::PauseResponse;
+use crate::control::replay::{ReplayPhase, ReplayResponse, ReplayStatus};
+use crate::control::sweep::SweepResponse;
+use crate::control::{self, ControlError, Runtime};
 use crate::daemon::{self, Daemon};
 use crate::scheduler::StepOutcome;
 use crate::secret::Secret;
 use crate::simulator::SimulateArgs;
-use crate::state::{SledStore, StateError, StateStore, StreamLedger};
+use crate::state::{RequestedBy, SledStore, StateError, SweepKind};
 use crate::stream::{Resource, StreamKey, TenantId};
 use crate::sweep::Progress;
 use crate::telemetry::{self, LogFormat};
@@ -97,21 +104,68 @@ pub enum Command {
     },
     /// Schedule a replay of a tenant.
     Replay {
-        /// The tenant to replay.
-        #[arg(long)]
-        tenant: TenantId,
-        /// Only this resource (default: every resource of the tenant).
-        #[arg(long)]
-        resource: Option<Resource>,
+        /// The streams to replay.
+        #[command(flatten)]
+        target: StreamArgs,
         /// Replay records updated since this time (RFC 3339, a date, or an age like 2h) instead of everything.
         #[arg(long)]
         since: Option<String>,
+    },
+    /// List the latest replay of every stream, with its progress.
+    Replays {
+        /// Config file (TOML).
+        #[arg(long, short, env = "VOUCHER_CDC_CONFIG")]
+        config: Option<PathBuf>,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Ask the daemon at this admin API URL (e.g. through `kubectl port-forward`).
+        #[command(flatten)]
+        remote: Remote,
+    },
+    /// Cancel a pending replay: the stream goes back to its watermark from before it.
+    CancelReplay {
+        /// The replay id (as `replay` printed it, or `replays` lists it).
+        id: String,
         /// Config file (TOML).
         #[arg(long, short, env = "VOUCHER_CDC_CONFIG")]
         config: Option<PathBuf>,
         /// Ask the daemon at this admin API URL (e.g. through `kubectl port-forward`).
         #[command(flatten)]
         remote: Remote,
+    },
+    /// Pause a tenant's streams (or one): no sweep, no upstream request until resumed; survives restarts.
+    Pause {
+        /// The streams to pause.
+        #[command(flatten)]
+        target: StreamArgs,
+    },
+    /// Resume paused streams: they go on from their watermark.
+    Resume {
+        /// The streams to resume.
+        #[command(flatten)]
+        target: StreamArgs,
+    },
+    /// Sweep a tenant's streams (or one) now instead of at the next interval (a daemon must run).
+    Sweep {
+        /// The streams to sweep.
+        #[command(flatten)]
+        target: StreamArgs,
+        /// A full sweep (lists everything, finds deletes) instead of an incremental one.
+        #[arg(long)]
+        full: bool,
+    },
+    /// Recheck a tenant's parked streams (or one) now instead of at the next recheck interval.
+    Recheck {
+        /// The streams to recheck.
+        #[command(flatten)]
+        target: StreamArgs,
+    },
+    /// Export, import or forget stream state (the store must not be held by a daemon).
+    State {
+        /// What to do.
+        #[command(subcommand)]
+        command: StateCommand,
     },
     /// Validate and print the effective config, secrets redacted.
     CheckConfig {
@@ -122,6 +176,63 @@ pub enum Command {
         /// one line per result, exit code 1 when any fails.
         #[arg(long)]
         probe: bool,
+    },
+}
+
+/// The streams a steering command names, and where to find the state.
+#[derive(Debug, Clone, clap::Args)]
+pub struct StreamArgs {
+    /// The tenant.
+    #[arg(long)]
+    pub tenant: TenantId,
+    /// Only this resource (default: every resource of the tenant).
+    #[arg(long)]
+    pub resource: Option<Resource>,
+    /// Config file (TOML).
+    #[arg(long, short, env = "VOUCHER_CDC_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Ask the daemon at this admin API URL (e.g. through `kubectl port-forward`).
+    #[command(flatten)]
+    pub remote: Remote,
+}
+
+/// `state export|import|reset`.
+#[derive(Debug, Subcommand)]
+pub enum StateCommand {
+    /// Write the state of the configured streams as versioned JSON lines to stdout.
+    Export {
+        /// Config file (TOML).
+        #[arg(long, short, env = "VOUCHER_CDC_CONFIG")]
+        config: Option<PathBuf>,
+        /// Only this tenant.
+        #[arg(long)]
+        tenant: Option<TenantId>,
+        /// Only this resource.
+        #[arg(long)]
+        resource: Option<Resource>,
+    },
+    /// Load an export (from FILE, or stdin with `-`) into the store.
+    Import {
+        /// The export file, `-` for stdin.
+        file: PathBuf,
+        /// Config file (TOML).
+        #[arg(long, short, env = "VOUCHER_CDC_CONFIG")]
+        config: Option<PathBuf>,
+        /// Overwrite streams the store already holds.
+        #[arg(long)]
+        replace: bool,
+    },
+    /// Forget a tenant's streams (or one): the next sweep is a first sync.
+    Reset {
+        /// Config file (TOML).
+        #[arg(long, short, env = "VOUCHER_CDC_CONFIG")]
+        config: Option<PathBuf>,
+        /// The tenant.
+        #[arg(long)]
+        tenant: TenantId,
+        /// Only this resource.
+        #[arg(long)]
+        resource: Option<Resource>,
     },
 }
 
@@ -192,22 +303,27 @@ pub async fn run(cli: Cli) -> u8 {
             json,
             remote,
         } => status(config.as_deref(), json, &remote).await,
-        Command::Replay {
-            tenant,
-            resource,
-            since,
+        Command::Replay { target, since } => replay(&target, since.as_deref()).await,
+        Command::Replays {
             config,
+            json,
             remote,
-        } => {
-            replay(
-                config.as_deref(),
-                tenant,
-                resource,
-                since.as_deref(),
-                &remote,
-            )
-            .await
+        } => list_replays(config.as_deref(), json, &remote).await,
+        Command::CancelReplay { id, config, remote } => {
+            cancel_replay(config.as_deref(), &id, &remote).await
         }
+        Command::Pause { target } => set_paused(&target, true).await,
+        Command::Resume { target } => set_paused(&target, false).await,
+        Command::Sweep { target, full } => {
+            let kind = if full {
+                SweepKind::Full
+            } else {
+                SweepKind::Incremental
+            };
+            sweep_now(&target, Some(kind)).await
+        }
+        Command::Recheck { target } => sweep_now(&target, None).await,
+        Command::State { command } => state_command(command),
     };
     match result {
         Ok(()) => EXIT_OK,
@@ -379,6 +495,7 @@ impl OnceProgress {
                     plural(r.records_seen, "record"),
                     plural(r.events(), "event")
                 ),
+                StepOutcome::Paused => "paused: not swept (resume it first)".to_string(),
                 StepOutcome::Parked(reason) => {
                     errors.push(format!(
                         "stream {key} parked: {reason} (run --once does not recheck it; fix the access and run again, a daemon rechecks every poll.park_recheck_interval)"
@@ -522,6 +639,7 @@ impl AdminClient {
     }
 
     fn request(&self, builder: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        let builder = builder.header("x-requested-by", "cli");
         match &self.token {
             Some(token) => builder.bearer_auth(token.expose()),
             None => builder,
@@ -585,23 +703,25 @@ impl AdminClient {
         self.send(builder, "GET /v1/status").await
     }
 
-    async fn replay(
-        &self,
-        tenant: TenantId,
-        resource: Option<Resource>,
-        since: Option<DateTime<Utc>>,
-    ) -> Result<ReplayResponse, Failure> {
-        let body = serde_json::json!({
-            "resource": resource.map(Resource::as_str),
-            "since": since.map(crate::event::format_time),
-        });
+    async fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T, Failure> {
         let builder = self
             .http
-            .post(format!("{}/v1/tenants/{tenant}/replay", self.base))
+            .get(format!("{}{path}", self.base))
+            .timeout(STATUS_TIMEOUT);
+        self.send(builder, &format!("GET {path}")).await
+    }
+
+    async fn post<T: serde::de::DeserializeOwned>(
+        &self,
+        path: &str,
+        body: serde_json::Value,
+    ) -> Result<T, Failure> {
+        let builder = self
+            .http
+            .post(format!("{}{path}", self.base))
             .timeout(REPLAY_TIMEOUT)
             .json(&body);
-        self.send(builder, &format!("POST /v1/tenants/{tenant}/replay"))
-            .await
+        self.send(builder, &format!("POST {path}")).await
     }
 }
 
@@ -629,7 +749,7 @@ async fn status(path: Option<&Path>, json: bool, remote: &Remote) -> Result<(), 
                 Some(cfg) => owned_streams(cfg)?,
                 None => Vec::new(),
             };
-            let mut streams = admin::status_from_store(store, &streams, now)
+            let mut streams = control::status::status_from_store(store, &streams, now)
                 .map_err(|e| Failure::runtime(e.to_string()))?;
             // Nobody holds the store: no sweep can be running now.
             for s in &mut streams {
@@ -672,38 +792,63 @@ async fn status(path: Option<&Path>, json: bool, remote: &Remote) -> Result<(), 
     }
 }
 
-async fn replay(
-    path: Option<&Path>,
-    tenant: TenantId,
-    resource: Option<Resource>,
-    since: Option<&str>,
-    remote: &Remote,
-) -> Result<(), Failure> {
-    let cfg = reading_config(path, remote)?;
-    let targets = match &cfg {
-        Some(cfg) => replay_targets(&owned_streams(cfg)?, tenant, resource)?,
-        None => Vec::new(),
+/// A use case's failure as the CLI reports it: a bad argument or an unknown
+/// tenant is a usage error (exit 2), anything else a runtime failure (exit 1).
+fn control_failure(e: ControlError) -> Failure {
+    match &e {
+        ControlError::Invalid { field, problem } => Failure::usage(format!("--{field}: {problem}")),
+        ControlError::UnknownTenant { .. } => Failure::usage(e.to_string()),
+        _ => Failure::runtime(e.to_string()),
+    }
+}
+
+/// The configured streams `target` names (None with `--admin-url` alone: the daemon resolves them).
+fn named_streams(cfg: Option<&Config>, target: &StreamArgs) -> Result<Vec<StreamKey>, Failure> {
+    let Some(cfg) = cfg else {
+        return Ok(Vec::new());
     };
+    control::resolve_targets(
+        &owned_streams(cfg)?,
+        &target.tenant.to_string(),
+        target.resource.map(Resource::as_str),
+    )
+    .map_err(control_failure)
+}
+
+/// The request body naming `target`'s resource, plus `extra` fields.
+fn target_body(target: &StreamArgs, extra: serde_json::Value) -> serde_json::Value {
+    let mut body = serde_json::json!({ "resource": target.resource.map(Resource::as_str) });
+    if let (Some(body), serde_json::Value::Object(extra)) = (body.as_object_mut(), extra) {
+        body.extend(extra);
+    }
+    body
+}
+
+async fn replay(target: &StreamArgs, since: Option<&str>) -> Result<(), Failure> {
+    let cfg = reading_config(target.config.as_deref(), &target.remote)?;
+    let targets = named_streams(cfg.as_ref(), target)?;
     let since = since
         .map(|text| admin::parse_since(text, Utc::now()))
         .transpose()
         .map_err(|e| Failure::usage(format!("--since: {e}")))?;
-    let response = match access(cfg.as_ref(), remote).await? {
-        Access::Admin(client) => client.replay(tenant, resource, since).await?,
-        Access::Store(store, _) => {
-            let mut replays = Vec::new();
-            for key in targets {
-                let replay_id = StreamLedger::new(&store as &dyn StateStore, key)
-                    .schedule_replay(since, Utc::now())
-                    .map_err(|e| Failure::runtime(e.to_string()))?;
-                replays.push(ScheduledReplay {
-                    resource: key.resource,
-                    replay_id,
-                    since,
-                });
-            }
-            ReplayResponse { tenant, replays }
+    let tenant = target.tenant;
+    let response: ReplayResponse = match access(cfg.as_ref(), &target.remote).await? {
+        Access::Admin(client) => {
+            let since = since.map(crate::event::format_time);
+            let body = target_body(target, serde_json::json!({ "since": since }));
+            client
+                .post(&format!("/v1/tenants/{tenant}/replay"), body)
+                .await?
         }
+        Access::Store(store, _) => control::replay::schedule(
+            Runtime::Store(&store),
+            tenant,
+            &targets,
+            since,
+            RequestedBy::Cli,
+        )
+        .await
+        .map_err(control_failure)?,
     };
     for r in &response.replays {
         let from = r
@@ -718,41 +863,279 @@ async fn replay(
     Ok(())
 }
 
-/// The configured streams a replay of `tenant` (and `resource`) targets.
-fn replay_targets(
-    streams: &[StreamKey],
-    tenant: TenantId,
-    resource: Option<Resource>,
-) -> Result<Vec<StreamKey>, Failure> {
-    let tenant_streams: Vec<StreamKey> = streams
-        .iter()
-        .copied()
-        .filter(|k| k.tenant == tenant)
-        .collect();
-    if tenant_streams.is_empty() {
-        let mut tenants: Vec<String> = streams.iter().map(|k| k.tenant.to_string()).collect();
-        tenants.dedup();
-        return Err(Failure::usage(format!(
-            "--tenant {tenant}: not a configured tenant of this daemon: configured tenants are {}",
-            if tenants.is_empty() {
-                "none".to_string()
+async fn set_paused(target: &StreamArgs, pause: bool) -> Result<(), Failure> {
+    let cfg = reading_config(target.config.as_deref(), &target.remote)?;
+    let targets = named_streams(cfg.as_ref(), target)?;
+    let tenant = target.tenant;
+    let verb = if pause { "pause" } else { "resume" };
+    let access = access(cfg.as_ref(), &target.remote).await?;
+    let response: PauseResponse = match &access {
+        Access::Admin(client) => {
+            let body = target_body(target, serde_json::json!({}));
+            client
+                .post(&format!("/v1/tenants/{tenant}/{verb}"), body)
+                .await?
+        }
+        Access::Store(store, _) => control::pause::set_paused(
+            Runtime::Store(store),
+            tenant,
+            &targets,
+            pause,
+            RequestedBy::Cli,
+        )
+        .await
+        .map_err(control_failure)?,
+    };
+    for s in &response.streams {
+        let state = if s.paused { "paused" } else { "resumed" };
+        let note = if s.changed {
+            ""
+        } else if s.paused {
+            " (it was paused already)"
+        } else {
+            " (it was not paused)"
+        };
+        println!("{tenant}/{} {state}{note}", s.resource);
+    }
+    println!(
+        "{}",
+        access.describe().replacen("read from", "written to", 1)
+    );
+    Ok(())
+}
+
+async fn sweep_now(target: &StreamArgs, kind: Option<SweepKind>) -> Result<(), Failure> {
+    let cfg = reading_config(target.config.as_deref(), &target.remote)?;
+    let targets = named_streams(cfg.as_ref(), target)?;
+    let tenant = target.tenant;
+    let response: SweepResponse = match access(cfg.as_ref(), &target.remote).await? {
+        Access::Admin(client) => {
+            let (path, body) = match kind {
+                Some(kind) => (
+                    "sweep",
+                    target_body(target, serde_json::json!({ "kind": kind.as_str() })),
+                ),
+                None => ("recheck", target_body(target, serde_json::json!({}))),
+            };
+            client
+                .post(&format!("/v1/tenants/{tenant}/{path}"), body)
+                .await?
+        }
+        Access::Store(store, _) => control::sweep::sweep_now(
+            Runtime::Store(&store),
+            tenant,
+            &targets,
+            kind,
+            kind.is_none(),
+        )
+        .await
+        .map_err(control_failure)?,
+    };
+    for resource in &response.resources {
+        println!(
+            "{tenant}/{resource}: {} sweep started",
+            if response.kind == "due" {
+                "recheck"
             } else {
-                tenants.join(", ")
+                response.kind.as_str()
             }
+        );
+    }
+    Ok(())
+}
+
+async fn list_replays(path: Option<&Path>, json: bool, remote: &Remote) -> Result<(), Failure> {
+    let cfg = reading_config(path, remote)?;
+    let access = access(cfg.as_ref(), remote).await?;
+    let replays: Vec<ReplayStatus> = match &access {
+        Access::Admin(client) => client.get("/v1/replays").await?,
+        Access::Store(store, _) => {
+            let streams = match &cfg {
+                Some(cfg) => owned_streams(cfg)?,
+                None => Vec::new(),
+            };
+            control::replay::list(store, &streams).map_err(control_failure)?
+        }
+    };
+    if json {
+        let text = serde_json::to_string_pretty(&replays)
+            .map_err(|e| Failure::runtime(format!("cannot render the replays: {e}")))?;
+        println!("{text}");
+        eprintln!("{}", access.describe());
+    } else {
+        print!("{}", format_replays(&replays, Utc::now()));
+        println!("{}", access.describe());
+    }
+    Ok(())
+}
+
+/// The `replays` table.
+pub fn format_replays(replays: &[ReplayStatus], now: DateTime<Utc>) -> String {
+    let mut rows = vec![[
+        "REPLAY".to_string(),
+        "STREAM".to_string(),
+        "PHASE".to_string(),
+        "RECORDS".to_string(),
+        "REQUESTED".to_string(),
+        "BY".to_string(),
+        "SINCE".to_string(),
+    ]];
+    for r in replays {
+        let phase = match r.phase {
+            ReplayPhase::Scheduled => "scheduled",
+            ReplayPhase::Running => "running",
+            ReplayPhase::Completed => "completed",
+            ReplayPhase::Cancelled => "cancelled",
+        };
+        rows.push([
+            r.replay_id.clone(),
+            format!("{}/{}", r.tenant, r.resource),
+            phase.to_string(),
+            r.records.to_string(),
+            format!(
+                "{} ago",
+                format_age(telemetry::seconds_between(r.requested_at, now))
+            ),
+            r.requested_by.map_or("-", RequestedBy::as_str).to_string(),
+            r.since
+                .map(crate::event::format_time)
+                .unwrap_or_else(|| "everything".to_string()),
+        ]);
+    }
+    format_table(&rows)
+}
+
+/// Rows as left-aligned columns two spaces apart.
+fn format_table<const N: usize>(rows: &[[String; N]]) -> String {
+    let widths: Vec<usize> = (0..N)
+        .map(|i| rows.iter().map(|r| r[i].len()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for row in rows {
+        let cells: Vec<String> = row
+            .iter()
+            .zip(&widths)
+            .map(|(cell, width)| format!("{cell:<width$}"))
+            .collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+async fn cancel_replay(path: Option<&Path>, id: &str, remote: &Remote) -> Result<(), Failure> {
+    let cfg = reading_config(path, remote)?;
+    let cancelled: ReplayStatus = match access(cfg.as_ref(), remote).await? {
+        Access::Admin(client) => {
+            client
+                .post(&format!("/v1/replays/{id}/cancel"), serde_json::json!({}))
+                .await?
+        }
+        Access::Store(store, _) => {
+            let streams = match &cfg {
+                Some(cfg) => owned_streams(cfg)?,
+                None => Vec::new(),
+            };
+            control::replay::cancel(Runtime::Store(&store), &store, &streams, id)
+                .await
+                .map_err(control_failure)?
+        }
+    };
+    println!(
+        "replay {} of {}/{} cancelled after {}: the stream goes on from its watermark before the replay",
+        cancelled.replay_id,
+        cancelled.tenant,
+        cancelled.resource,
+        plural(cancelled.records, "record")
+    );
+    Ok(())
+}
+
+/// Opens the store at `state.path` of the config for `state` commands,
+/// which need it to themselves; `create` for an import into a new store.
+fn exclusive_store(path: Option<&Path>, create: bool) -> Result<SledStore, Failure> {
+    let cfg = load_config_for_reading(path)?;
+    telemetry::init_logging(cfg.log.format, "warn");
+    let path = absolute(&cfg.state.path);
+    if !create && !path.exists() {
+        return Err(Failure::runtime(format!(
+            "no state store at {} (a relative state.path is read from the current directory)",
+            path.display()
         )));
     }
-    match resource {
-        None => Ok(tenant_streams),
-        Some(r) if tenant_streams.contains(&StreamKey::new(tenant, r)) => {
-            Ok(vec![StreamKey::new(tenant, r)])
+    SledStore::open(&path).map_err(|e| match e {
+        StateError::Locked { path } => Failure::runtime(format!(
+            "state store {} is held by a running daemon: stop it first (state export, import and reset need the store to themselves)",
+            path.display()
+        )),
+        e => Failure::runtime(e.to_string()),
+    })
+}
+
+/// `exported 1/vouchers: 20 records, 0 tombstones, 0 pending intents`.
+fn moved(verb: &str, c: &control::state_file::StreamCounts) -> String {
+    format!(
+        "{verb} {}: {}, {}, {}",
+        c.stream,
+        plural(c.records, "record"),
+        plural(c.tombstones, "tombstone"),
+        plural(c.intents, "pending intent")
+    )
+}
+
+fn state_command(command: StateCommand) -> Result<(), Failure> {
+    match command {
+        StateCommand::Export {
+            config,
+            tenant,
+            resource,
+        } => {
+            let store = exclusive_store(config.as_deref(), false)?;
+            let stdout = std::io::stdout();
+            let mut out = std::io::BufWriter::new(stdout.lock());
+            let counts = control::state_file::export(&store, tenant, resource, &mut out)
+                .map_err(control_failure)?;
+            for c in counts {
+                eprintln!("{}", moved("exported", &c));
+            }
+            Ok(())
         }
-        Some(r) => {
-            let configured: Vec<&str> =
-                tenant_streams.iter().map(|k| k.resource.as_str()).collect();
-            Err(Failure::usage(format!(
-                "--resource {r}: tenant {tenant} does not stream it: configured resources are {}",
-                configured.join(", ")
-            )))
+        StateCommand::Import {
+            file,
+            config,
+            replace,
+        } => {
+            let mut input: Box<dyn std::io::BufRead> = if file.as_os_str() == "-" {
+                Box::new(std::io::BufReader::new(std::io::stdin()))
+            } else {
+                let opened = std::fs::File::open(&file).map_err(|e| {
+                    Failure::runtime(format!("cannot open {}: {e}", file.display()))
+                })?;
+                Box::new(std::io::BufReader::new(opened))
+            };
+            let store = exclusive_store(config.as_deref(), true)?;
+            let counts = control::state_file::import(&store, &mut input, replace)
+                .map_err(control_failure)?;
+            for c in counts {
+                println!("{}", moved("imported", &c));
+            }
+            Ok(())
+        }
+        StateCommand::Reset {
+            config,
+            tenant,
+            resource,
+        } => {
+            let store = exclusive_store(config.as_deref(), false)?;
+            for (key, records) in
+                control::state_file::reset(&store, tenant, resource).map_err(control_failure)?
+            {
+                println!(
+                    "forgot {key} ({}): its next sweep is a first sync",
+                    plural(records, "record")
+                );
+            }
+            Ok(())
         }
     }
 }
@@ -797,7 +1180,9 @@ pub fn format_status(report: &StatusReport, now: DateTime<Utc>) -> String {
     let mut details = Vec::new();
     for s in &report.streams {
         let key = s.key();
-        let state = if s.parked.is_some() {
+        let state = if s.paused.is_some() {
+            "paused"
+        } else if s.parked.is_some() {
             "parked"
         } else if s.sweep_in_progress_since.is_some() && s.watermark.is_none() {
             "syncing"
@@ -821,6 +1206,14 @@ pub fn format_status(report: &StatusReport, now: DateTime<Utc>) -> String {
             ago(s.last_full_sweep_finished),
             state.to_string(),
         ]);
+        if let Some(pause) = &s.paused {
+            details.push(format!(
+                "{key} paused since {} ({}) by {}: not swept until resumed",
+                crate::event::format_time(pause.since),
+                ago(Some(pause.since)),
+                pause.by.as_str()
+            ));
+        }
         if let Some(reason) = &s.parked {
             details.push(format!("{key} parked: {reason}"));
         } else if let Some(error) = &s.last_error {
@@ -854,19 +1247,7 @@ pub fn format_status(report: &StatusReport, now: DateTime<Utc>) -> String {
             ));
         }
     }
-    let widths: Vec<usize> = (0..7)
-        .map(|i| rows.iter().map(|r| r[i].len()).max().unwrap_or(0))
-        .collect();
-    let mut out = String::new();
-    for row in &rows {
-        let cells: Vec<String> = row
-            .iter()
-            .zip(&widths)
-            .map(|(cell, width)| format!("{cell:<width$}"))
-            .collect();
-        out.push_str(cells.join("  ").trim_end());
-        out.push('\n');
-    }
+    let mut out = format_table(&rows);
     if let Some(sink) = &report.sink {
         match &sink.error {
             None => out.push_str(&format!("sink {}: healthy\n", sink.name)),

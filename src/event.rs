@@ -52,6 +52,8 @@ pub enum EventType {
     ReplayCompleted,
     /// `stream.heartbeat`: a quiet stream is still watched.
     Heartbeat,
+    /// `replay.cancelled`: an operator cancelled the replay before it completed.
+    ReplayCancelled,
     /// A dead letter standing in for an event the sink can never accept; its
     /// payload keeps the original `type`, this only routes it
     /// (`{prefix}.{tenant}.deadletter`, the Kafka dead-letter topic).
@@ -69,6 +71,7 @@ impl EventType {
             EventType::ReplayStarted => "replay.started",
             EventType::ReplayCompleted => "replay.completed",
             EventType::Heartbeat => "stream.heartbeat",
+            EventType::ReplayCancelled => "replay.cancelled",
             EventType::DeadLetter => "deadletter",
         }
     }
@@ -321,7 +324,7 @@ pub fn record_event(change: &RecordChange<'_>) -> Event {
     }
 }
 
-/// Data of a `replay.started` / `replay.completed` event.
+/// Data of a `replay.started` / `replay.completed` / `replay.cancelled` event.
 #[derive(Debug, Serialize)]
 struct ReplayData<'a> {
     tenant: TenantId,
@@ -350,6 +353,40 @@ pub fn replay_event(
     } else {
         EventType::ReplayStarted
     };
+    replay_frame(stream, ty, replay_id, since, records, now, schema_base)
+}
+
+/// Builds the `replay.cancelled` event closing what `replay.started` opened;
+/// `records` are the snapshots the replay emitted before it was cancelled.
+pub fn replay_cancelled_event(
+    stream: StreamKey,
+    replay_id: &str,
+    since: Option<&str>,
+    records: u64,
+    now: DateTime<Utc>,
+    schema_base: &SchemaBase,
+) -> Event {
+    replay_frame(
+        stream,
+        EventType::ReplayCancelled,
+        replay_id,
+        since,
+        records,
+        now,
+        schema_base,
+    )
+}
+
+/// A replay frame of type `ty`.
+fn replay_frame(
+    stream: StreamKey,
+    ty: EventType,
+    replay_id: &str,
+    since: Option<&str>,
+    records: u64,
+    now: DateTime<Utc>,
+    schema_base: &SchemaBase,
+) -> Event {
     let data = ReplayData {
         tenant: stream.tenant,
         resource: stream.resource,

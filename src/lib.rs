@@ -5,6 +5,7 @@
 pub mod admin;
 pub mod cli;
 pub mod config;
+pub mod control;
 pub mod crashpoint;
 pub mod daemon;
 pub mod demo;

@@ -3,8 +3,10 @@
 //! `poll.strategy = "uniform"`, or when the token's planner gives the stream
 //! its turn under `"adaptive"`, see `crate::planner`), a full sweep when the
 //! last one is older than `poll.full_resync_interval`, parking on 401/403/404
-//! with a slower re-check, replay requests that wake the stream at once, and a
-//! bounded graceful stop.
+//! with a slower re-check, operator requests (replay, pause and resume, sweep
+//! now, cancel a replay) that the stream's task applies as the stream's only
+//! writer, and a bounded graceful stop. A paused stream is not swept at all:
+//! it costs no upstream request until it is resumed.
 //!
 //! The loop (`StreamRunner::run`) is separated from its single step
 //! ([`StreamRunner::run_once`]) so tests and `run --once` drive the step
@@ -25,13 +27,13 @@ use tracing::{error, info, warn, Instrument};
 use crate::config::PollConfig;
 use crate::event::{heartbeat_event, StreamPulse};
 use crate::planner::{Grant, Need, Planner, SweepFacts};
-use crate::state::{StateError, StreamState};
+use crate::state::{ReplayState, RequestedBy, StateError, StreamState};
 use crate::stream::StreamKey;
 use crate::sweep::{SweepError, SweepKind, SweepReport, Sweeper};
 use crate::telemetry;
 
-/// Replay requests a stream task queues before callers wait.
-const REPLAY_QUEUE: usize = 8;
+/// Operator requests a stream task queues before callers wait.
+const REQUEST_QUEUE: usize = 8;
 
 /// When streams sweep, derived from `[poll]`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -81,8 +83,10 @@ pub enum StepOutcome {
     Parked(Arc<SweepError>),
     /// The sweep failed for another reason; the next sweep tries again.
     Failed(Arc<StepError>),
-    /// The sweep stopped early because it was cancelled (shutdown or a replay request).
+    /// The sweep stopped early because it was cancelled (shutdown or an operator request).
     Interrupted,
+    /// An operator paused the stream: nothing was swept.
+    Paused,
 }
 
 impl StepOutcome {
@@ -98,6 +102,7 @@ impl StepOutcome {
             StepOutcome::Parked(reason) => Some(format!("parked: {reason}")),
             StepOutcome::Failed(error) => Some(error.to_string()),
             StepOutcome::Interrupted => Some("sweep interrupted by shutdown".to_string()),
+            StepOutcome::Paused => Some("paused by an operator".to_string()),
         }
     }
 }
@@ -146,6 +151,8 @@ pub fn next_delay(outcome: &StepOutcome, timing: &Timing, unit: f64) -> Duration
         StepOutcome::Swept(_) | StepOutcome::Failed(_) => jittered(timing.interval, timing, unit),
         StepOutcome::Parked(_) => jittered(timing.park_recheck_interval, timing, unit),
         StepOutcome::Interrupted => Duration::ZERO,
+        // Not swept again until resumed; the run loop does not wait on a timer then.
+        StepOutcome::Paused => jittered(timing.interval, timing, unit),
     }
 }
 
@@ -154,29 +161,88 @@ fn jittered(base: Duration, timing: &Timing, unit: f64) -> Duration {
     base.mul_f64(factor.max(0.0))
 }
 
-/// Why a replay could not be scheduled.
+/// Why an operator request to a stream was not carried out.
 #[derive(Debug, thiserror::Error)]
-pub enum ReplayError {
+pub enum RequestError {
     /// The stream's task is gone (the daemon is stopping).
     #[error("stream {0} is not running (the daemon is shutting down)")]
     Stopped(StreamKey),
+    /// The request does not fit the stream's state (one line saying why).
+    #[error("{0}")]
+    Refused(String),
     /// The state store failed.
     #[error("{0}")]
     State(#[from] StateError),
 }
 
-/// A replay request sent to a stream's task.
+/// What an operator asks of a running stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Schedule a replay (`since`: only records updated since then).
+    Replay {
+        /// The replay's `--since`.
+        since: Option<DateTime<Utc>>,
+        /// Who asked.
+        by: RequestedBy,
+    },
+    /// Cancel the pending replay with this id.
+    CancelReplay {
+        /// The replay id.
+        id: String,
+    },
+    /// Stop sweeping until resumed (persisted).
+    Pause {
+        /// Who asked.
+        by: RequestedBy,
+    },
+    /// Sweep again, from the watermark.
+    Resume,
+    /// Sweep now instead of at the next interval (`kind` None: whichever is
+    /// due); with `only_parked`, only a parked stream (a recheck).
+    SweepNow {
+        /// The sweep to run; None: whichever is due.
+        kind: Option<SweepKind>,
+        /// Refuse unless the stream is parked.
+        only_parked: bool,
+    },
+}
+
+impl Action {
+    /// True when a sweep in flight stops after its page for this action to
+    /// apply (a replay, a pause or a cancel must not wait for a long sweep).
+    fn interrupts(&self) -> bool {
+        matches!(
+            self,
+            Action::Replay { .. } | Action::CancelReplay { .. } | Action::Pause { .. }
+        )
+    }
+}
+
+/// What a stream task answers to an [`Action`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    /// The id of the replay scheduled.
+    Replay(String),
+    /// The replay cancelled, as it stood before the cancel.
+    Cancelled(Box<ReplayState>),
+    /// Pause or resume: true when the stream's state changed (false: it was so already).
+    Changed(bool),
+    /// The stream was woken to sweep now.
+    Woken,
+}
+
+/// A request sent to a stream's task.
 #[derive(Debug)]
-struct ReplayRequest {
-    since: Option<DateTime<Utc>>,
-    reply: oneshot::Sender<Result<String, StateError>>,
+struct Request {
+    action: Action,
+    reply: oneshot::Sender<Result<Answer, RequestError>>,
 }
 
 /// Talks to one running stream task; cheap to clone.
 #[derive(Debug, Clone)]
 pub struct StreamHandle {
     key: StreamKey,
-    requests: mpsc::Sender<ReplayRequest>,
+    requests: mpsc::Sender<Request>,
 }
 
 impl StreamHandle {
@@ -185,20 +251,37 @@ impl StreamHandle {
         self.key
     }
 
-    /// Schedules a replay and wakes the stream to sweep now; returns the replay id.
+    /// Has the stream's task carry out `action` between two pages (it is the
+    /// stream's only writer) and returns its answer.
     ///
-    /// A sweep in flight stops after its current page (acknowledged and
-    /// committed) so the replay starts within one page.
-    pub async fn replay(&self, since: Option<DateTime<Utc>>) -> Result<String, ReplayError> {
+    /// A replay, a pause or a cancel stops a sweep in flight after its
+    /// current page (acknowledged and committed), so it applies within one page.
+    pub async fn request(&self, action: Action) -> Result<Answer, RequestError> {
         let (reply, answer) = oneshot::channel();
         self.requests
-            .send(ReplayRequest { since, reply })
+            .send(Request { action, reply })
             .await
-            .map_err(|_| ReplayError::Stopped(self.key))?;
-        match answer.await {
-            Ok(result) => Ok(result?),
-            Err(_) => Err(ReplayError::Stopped(self.key)),
-        }
+            .map_err(|_| RequestError::Stopped(self.key))?;
+        answer.await.map_err(|_| RequestError::Stopped(self.key))?
+    }
+}
+
+/// When a stream task sweeps next: the floor of its next turn, and a sweep
+/// kind an operator asked for.
+#[derive(Debug, Clone, Copy)]
+struct Pace {
+    ready_at: tokio::time::Instant,
+    forced: Option<SweepKind>,
+}
+
+impl Pace {
+    /// Sweep now; a full sweep asked for wins over an incremental one.
+    fn wake(&mut self, kind: Option<SweepKind>) {
+        self.ready_at = tokio::time::Instant::now();
+        self.forced = match (self.forced, kind) {
+            (Some(SweepKind::Full), _) | (_, Some(SweepKind::Full)) => Some(SweepKind::Full),
+            (forced, kind) => kind.or(forced),
+        };
     }
 }
 
@@ -294,6 +377,9 @@ impl StreamRunner {
                 return StepOutcome::Failed(Arc::new(e.into()));
             }
         };
+        if state.paused.is_some() {
+            return StepOutcome::Paused;
+        }
         let was_parked = state.parked.is_some();
         let kind =
             kind.unwrap_or_else(|| due_kind(&state, Utc::now(), self.timing.full_resync_interval));
@@ -326,24 +412,95 @@ impl StreamRunner {
         telemetry::refresh_stream_gauges(self.sweeper.store().as_ref(), &[self.key()]);
     }
 
-    /// Schedules a replay between two sweeps (the task is the stream's only writer).
-    fn apply_replay(&self, request: ReplayRequest) {
-        let key = self.key();
-        let result = self
-            .sweeper
+    /// True while an operator paused the stream (a store error reads as
+    /// not paused: the step then reports it).
+    fn is_paused(&self) -> bool {
+        self.sweeper
             .ledger()
-            .schedule_replay(request.since, Utc::now());
+            .state()
+            .is_ok_and(|state| state.paused.is_some())
+    }
+
+    /// Carries out an operator request between two sweeps (the task is the
+    /// stream's only writer), answers it, and wakes the stream when it asks for a sweep.
+    async fn apply(&self, request: Request, pace: &mut Pace) {
+        let key = self.key();
+        let (result, wake) = self.act(request.action).await;
         if let Err(e) = &result {
-            warn!(tenant = key.tenant, resource = %key.resource, error = %e, "cannot schedule the replay");
+            warn!(tenant = key.tenant, resource = %key.resource, error = %e, "operator request not carried out");
         }
-        // The requester may have gone away; the replay is scheduled either way.
+        if let Some(kind) = wake {
+            pace.wake(kind);
+        }
+        // The requester may have gone away; the action is applied either way.
         let _ = request.reply.send(result);
         self.refresh_gauges();
     }
 
-    /// Waits `delay` (the floor), then for the planner's turn when there is one.
-    async fn next_turn(&self, delay: Duration) -> Turn {
-        let ready_at = tokio::time::Instant::now() + delay;
+    /// The effect of `action`, and the sweep it wakes the stream for (None: no wake).
+    async fn act(
+        &self,
+        action: Action,
+    ) -> (Result<Answer, RequestError>, Option<Option<SweepKind>>) {
+        let key = self.key();
+        let ledger = self.sweeper.ledger();
+        let now = Utc::now();
+        match action {
+            Action::Replay { since, by } => match ledger.schedule_replay(since, by, now) {
+                Ok(id) => (Ok(Answer::Replay(id)), Some(None)),
+                Err(e) => (Err(e.into()), None),
+            },
+            Action::Pause { by } => (
+                ledger
+                    .pause(by, now)
+                    .map(Answer::Changed)
+                    .map_err(Into::into),
+                None,
+            ),
+            Action::Resume => match ledger.resume() {
+                Ok(changed) => (Ok(Answer::Changed(changed)), changed.then_some(None)),
+                Err(e) => (Err(e.into()), None),
+            },
+            Action::SweepNow { kind, only_parked } => {
+                let state = match ledger.state() {
+                    Ok(state) => state,
+                    Err(e) => return (Err(e.into()), None),
+                };
+                if state.paused.is_some() {
+                    let refusal = format!("stream {key} is paused: resume it first");
+                    return (Err(RequestError::Refused(refusal)), None);
+                }
+                if only_parked && state.parked.is_none() {
+                    let refusal = format!(
+                        "stream {key} is not parked: nothing to recheck (sweep it instead)"
+                    );
+                    return (Err(RequestError::Refused(refusal)), None);
+                }
+                (Ok(Answer::Woken), Some(kind))
+            }
+            Action::CancelReplay { id } => match ledger.cancel_replay(&id, now) {
+                Ok(Some(replay)) => {
+                    if replay.epoch.is_some() {
+                        // Its first sweep began and published `replay.started`: close it.
+                        if let Err(e) = self.sweeper.publish_replay_cancelled(&replay).await {
+                            warn!(tenant = key.tenant, resource = %key.resource, replay_id = %id, error = %e,
+                                "cannot publish replay.cancelled; the replay is cancelled all the same");
+                        }
+                    }
+                    (Ok(Answer::Cancelled(Box::new(replay))), None)
+                }
+                Ok(None) => {
+                    let refusal = format!("replay {id} is not pending on stream {key}");
+                    (Err(RequestError::Refused(refusal)), None)
+                }
+                Err(e) => (Err(e.into()), None),
+            },
+        }
+    }
+
+    /// Waits for the floor `pace.ready_at`, then for the planner's turn when there is one.
+    async fn next_turn(&self, pace: Pace) -> Turn {
+        let ready_at = pace.ready_at;
         let Some(planner) = &self.planner else {
             tokio::time::sleep_until(ready_at).await;
             return Turn::due();
@@ -356,8 +513,9 @@ impl StreamRunner {
                 Need::Snapshot
             }
             Ok(state) => Need::Poll {
-                full_due: due_kind(&state, Utc::now(), self.timing.full_resync_interval)
-                    == SweepKind::Full,
+                full_due: pace.forced == Some(SweepKind::Full)
+                    || due_kind(&state, Utc::now(), self.timing.full_resync_interval)
+                        == SweepKind::Full,
             },
             // The step reports the store's error; the planner needs no precision here.
             Err(_) => Need::Poll { full_due: false },
@@ -423,62 +581,63 @@ impl StreamRunner {
         }
     }
 
-    /// The stream's loop until `shutdown`: sweep, wait (or wake for a replay,
-    /// or publish a heartbeat while quiet), repeat.
-    async fn run(self, mut requests: mpsc::Receiver<ReplayRequest>, shutdown: CancellationToken) {
-        let mut delay = Duration::ZERO;
+    /// The stream's loop until `shutdown`: sweep, wait (or wake for an
+    /// operator's request, or publish a heartbeat while quiet), repeat; while
+    /// paused, only wait for requests (and heartbeats).
+    async fn run(self, mut requests: mpsc::Receiver<Request>, shutdown: CancellationToken) {
+        let mut pace = Pace {
+            ready_at: tokio::time::Instant::now(),
+            forced: None,
+        };
         let mut failures: u32 = 0;
         // Since when the stream published nothing, and when it last did.
         let mut quiet_since = tokio::time::Instant::now();
         let mut last_event: Option<DateTime<Utc>> = None;
-        'turns: loop {
-            let next_turn = self.next_turn(delay);
-            tokio::pin!(next_turn);
-            let turn = loop {
-                let heartbeat_due = async {
-                    match self.heartbeat {
-                        Some(interval) => tokio::time::sleep_until(quiet_since + interval).await,
-                        None => std::future::pending().await,
-                    }
-                };
-                tokio::select! {
-                    biased;
-                    _ = shutdown.cancelled() => return,
-                    Some(request) = requests.recv() => {
-                        self.apply_replay(request);
-                        while let Ok(request) = requests.try_recv() {
-                            self.apply_replay(request);
-                        }
-                        if self.planner.is_some() {
-                            // The replay's snapshot sweep asks the planner for its turn.
-                            delay = Duration::ZERO;
-                            continue 'turns;
-                        }
-                        break Turn::due();
-                    }
-                    _ = heartbeat_due => {
-                        // Waiting for the turn goes on: the heartbeat does not move it.
-                        if self.publish_heartbeat(last_event).await {
-                            last_event = Some(Utc::now());
-                        }
-                        quiet_since = tokio::time::Instant::now();
-                    }
-                    turn = &mut next_turn => break turn,
+        loop {
+            let paused = self.is_paused();
+            let heartbeat_due = async {
+                match self.heartbeat {
+                    Some(interval) => tokio::time::sleep_until(quiet_since + interval).await,
+                    None => std::future::pending().await,
                 }
             };
+            let turn = tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return,
+                Some(request) = requests.recv() => {
+                    self.apply(request, &mut pace).await;
+                    while let Ok(request) = requests.try_recv() {
+                        self.apply(request, &mut pace).await;
+                    }
+                    // A wake under the planner asks for its turn at once.
+                    continue;
+                }
+                _ = heartbeat_due => {
+                    // The turn is asked for again with the same pace: the
+                    // heartbeat does not move it.
+                    if self.publish_heartbeat(last_event).await {
+                        last_event = Some(Utc::now());
+                    }
+                    quiet_since = tokio::time::Instant::now();
+                    continue;
+                }
+                turn = self.next_turn(pace), if !paused => turn,
+            };
+            let kind = pace.forced.take().or(turn.kind);
 
             let step_cancel = shutdown.child_token();
             // A panic in a sweep (a bug) fails that step only (see `run_once`).
-            let step = self.run_step(turn.kind, step_cancel.clone());
+            let step = self.run_step(kind, step_cancel.clone());
             tokio::pin!(step);
-            let mut waiting: Vec<ReplayRequest> = Vec::new();
+            let mut waiting: Vec<Request> = Vec::new();
             let outcome = loop {
                 tokio::select! {
                     outcome = &mut step => break outcome,
                     Some(request) = requests.recv() => {
-                        if waiting.is_empty() {
+                        if request.action.interrupts() && !step_cancel.is_cancelled() {
                             info!(tenant = self.key().tenant, resource = %self.key().resource,
-                                "replay requested: stopping the current sweep after its page in flight");
+                                action = ?request.action,
+                                "operator request: stopping the current sweep after its page in flight");
                             step_cancel.cancel();
                         }
                         waiting.push(request);
@@ -492,34 +651,31 @@ impl StreamRunner {
                 quiet_since = tokio::time::Instant::now();
                 last_event = Some(Utc::now());
             }
-            if shutdown.is_cancelled() {
-                for request in waiting {
-                    self.apply_replay(request);
-                }
-                return;
-            }
-            if !waiting.is_empty() {
-                for request in waiting {
-                    self.apply_replay(request);
-                }
-                delay = Duration::ZERO;
-                continue;
-            }
-            if let StepOutcome::Failed(error) = &outcome {
+            let delay = if let StepOutcome::Failed(error) = &outcome {
                 failures = failures.saturating_add(1);
-                delay = failure_delay(failures, &self.timing, rand::random::<f64>());
+                let delay = failure_delay(failures, &self.timing, rand::random::<f64>());
                 warn!(tenant = self.key().tenant, resource = %self.key().resource, error = %error,
                     failures, retry_in = %telemetry::human_duration(delay),
                     "sweep failed; trying again after a backoff");
-                continue;
+                delay
+            } else {
+                if outcome.is_ok() {
+                    failures = 0;
+                }
+                let delay = next_delay(&outcome, &self.timing, rand::random::<f64>());
+                if self.planner.is_some() && outcome.is_ok() {
+                    // Under the planner `poll.interval` is a floor: never jittered below it.
+                    delay.max(self.timing.interval)
+                } else {
+                    delay
+                }
+            };
+            pace.ready_at = tokio::time::Instant::now() + delay;
+            for request in waiting {
+                self.apply(request, &mut pace).await;
             }
-            if outcome.is_ok() {
-                failures = 0;
-            }
-            delay = next_delay(&outcome, &self.timing, rand::random::<f64>());
-            if self.planner.is_some() && outcome.is_ok() {
-                // Under the planner `poll.interval` is a floor: never jittered below it.
-                delay = delay.max(self.timing.interval);
+            if shutdown.is_cancelled() {
+                return;
             }
         }
     }
@@ -597,7 +753,7 @@ impl Scheduler {
         let mut handles = HashMap::with_capacity(runners.len());
         for runner in runners {
             let key = runner.key();
-            let (tx, rx) = mpsc::channel(REPLAY_QUEUE);
+            let (tx, rx) = mpsc::channel(REQUEST_QUEUE);
             handles.insert(key, StreamHandle { key, requests: tx });
             let span = tracing::info_span!("stream", tenant = key.tenant, resource = %key.resource);
             let task = tokio::spawn(runner.run(rx, shutdown.clone()).instrument(span));
@@ -757,6 +913,24 @@ mod tests {
         assert_eq!(failure_delay(4, &t, 0.3), Duration::from_secs(240));
         assert_eq!(failure_delay(5, &t, 0.3), Duration::from_secs(300));
         assert_eq!(failure_delay(u32::MAX, &t, 0.3), Duration::from_secs(300));
+    }
+
+    #[test]
+    fn a_wake_is_due_now_and_a_full_sweep_asked_for_wins_over_an_incremental_one() {
+        let later = tokio::time::Instant::now() + Duration::from_secs(60);
+        let mut pace = Pace {
+            ready_at: later,
+            forced: None,
+        };
+        pace.wake(None);
+        assert!(pace.ready_at < later);
+        assert_eq!(pace.forced, None, "whichever is due");
+        pace.wake(Some(SweepKind::Incremental));
+        assert_eq!(pace.forced, Some(SweepKind::Incremental));
+        pace.wake(Some(SweepKind::Full));
+        pace.wake(Some(SweepKind::Incremental));
+        pace.wake(None);
+        assert_eq!(pace.forced, Some(SweepKind::Full));
     }
 
     #[test]

@@ -43,6 +43,8 @@ pub mod metric {
     pub const RECORDS_KNOWN: &str = "voucher_cdc_records_known";
     /// 1 when the stream is parked after 401/403/404, by `tenant`, `resource`.
     pub const STREAM_PARKED: &str = "voucher_cdc_stream_parked";
+    /// 1 while an operator paused the stream, by `tenant`, `resource`.
+    pub const STREAM_PAUSED: &str = "voucher_cdc_stream_paused";
     /// 1 while the stream's last sweep failed (until one succeeds), by `tenant`, `resource`.
     pub const STREAM_FAILING: &str = "voucher_cdc_stream_failing";
     /// Sweeps by `tenant`, `resource`, `kind` (`incremental`, `full`, `replay`), `outcome` (`ok`, `error`).
@@ -305,6 +307,11 @@ pub fn record_stream_gauges(
     }
     metrics::gauge!(metric::RECORDS_KNOWN, &labels).set(state.records_known as f64);
     metrics::gauge!(metric::STREAM_PARKED, &labels).set(if state.parked.is_some() {
+        1.0
+    } else {
+        0.0
+    });
+    metrics::gauge!(metric::STREAM_PAUSED, &labels).set(if state.paused.is_some() {
         1.0
     } else {
         0.0

@@ -1,9 +1,11 @@
 //! The admin API of an in-process daemon over loopback HTTP: the bearer
 //! token on `/v1`, open probes and metrics, and replay requests validated
-//! with JSON errors naming the field.
+//! with JSON errors naming the field, and the OpenAPI description checked
+//! against the routes the router serves.
 
 mod common;
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use reqwest::{Client, StatusCode};
@@ -210,5 +212,85 @@ async fn every_events_dataschema_resolves_to_the_published_schema_without_a_toke
             .starts_with("no schema named `nope.json`: valid ones are cloudevent.schema.json"),
         "{body}"
     );
+    daemon.stop().await;
+}
+
+/// The (method, path) of every `.route(...)` the admin router is built with,
+/// read from its source: adding a route without describing it fails the test.
+fn routes_in_the_router_source() -> BTreeSet<(String, String)> {
+    let source = include_str!("../src/admin.rs");
+    let start = source.find("pub fn router(").expect("the router function");
+    let router = &source[start..start + source[start..].find("\n}\n").unwrap()];
+    let mut routes = BTreeSet::new();
+    for call in router.split(".route(\"").skip(1) {
+        let (path, rest) = call.split_once('"').unwrap();
+        let handlers = &rest[..rest.find('\n').unwrap_or(rest.len())];
+        for method in ["get", "post", "put", "patch", "delete"] {
+            if handlers.contains(&format!("{method}(")) {
+                routes.insert((method.to_string(), path.to_string()));
+            }
+        }
+    }
+    routes
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openapi_description_names_exactly_the_routes_the_admin_api_serves() {
+    let sim = spawn_small_simulator(1).await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = TestConfig::for_simulator(&sim, dir.path(), &[1]).with_admin_token("doc-token");
+    let mut daemon = spawn_daemon(&config).await;
+    let admin = daemon.admin_url.clone();
+    let http = Client::new();
+
+    let (code, _) = send(http.get(format!("{admin}/v1/openapi.json"))).await;
+    assert_eq!(code, StatusCode::UNAUTHORIZED);
+    let (code, doc) = send(
+        http.get(format!("{admin}/v1/openapi.json"))
+            .bearer_auth("doc-token"),
+    )
+    .await;
+    assert_eq!(code, StatusCode::OK);
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3."), "{doc}");
+    let described: BTreeSet<(String, String)> = doc["paths"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .flat_map(|(path, ops)| {
+            ops.as_object()
+                .unwrap()
+                .keys()
+                .map(move |method| (method.clone(), path.clone()))
+        })
+        .collect();
+    let served = routes_in_the_router_source();
+    assert_eq!(served.len(), 13, "{served:?}");
+    assert_eq!(described, served, "described vs. routed");
+
+    // Each described operation reaches a handler, not the fallbacks.
+    for (method, path) in &described {
+        let url = format!(
+            "{admin}{}",
+            path.replace("{tenant}", "1")
+                .replace("{id}", "00000000000000000000000000000000")
+        );
+        let request = match method.as_str() {
+            "get" => http.get(&url),
+            "post" => http.post(&url),
+            other => panic!("no client call for {other}"),
+        };
+        let response = request.bearer_auth("doc-token").send().await.unwrap();
+        let status = response.status();
+        let body = response.text().await.unwrap();
+        assert_ne!(
+            status,
+            StatusCode::METHOD_NOT_ALLOWED,
+            "{method} {path}: {body}"
+        );
+        assert!(
+            !body.contains("no such endpoint"),
+            "{method} {path} is described but not served: {body}"
+        );
+    }
     daemon.stop().await;
 }

@@ -101,7 +101,7 @@ fn usage_and_config_errors_exit_2_with_one_line_naming_the_cause() {
     assert_eq!(code, 2);
     assert_eq!(
         stderr.trim(),
-        "error: --tenant 7: not a configured tenant of this daemon: configured tenants are 1"
+        "error: tenant `7` is not streamed by this daemon: configured tenants are 1"
     );
     let (code, _, stderr) = run_cli(&[
         "replay", "--tenant", "1", "--since", "soon", "--config", &good,
@@ -217,6 +217,26 @@ async fn run_stops_cleanly_with_exit_0_on_sigterm_and_no_secret_reaches_trace_lo
     assert!(lines.iter().any(|l| l["message"] == "daemon stopped"));
 }
 
+/// Runs `replay --tenant 1 --resource vouchers` on `config`; returns the replay id and stdout.
+fn replay_vouchers_of_tenant_1(config: &str) -> (String, String) {
+    let (code, stdout, stderr) = run_cli(&[
+        "replay",
+        "--tenant",
+        "1",
+        "--resource",
+        "vouchers",
+        "--config",
+        config,
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let replay_id = stdout
+        .strip_prefix("replay ")
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap()
+        .to_string();
+    (replay_id, stdout)
+}
+
 fn tail(text: &str) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(20)..].join("\n")
@@ -265,21 +285,7 @@ async fn status_and_replay_go_through_the_admin_api_while_a_daemon_runs_and_to_t
             "{table}"
         );
     }
-    let (code, stdout, stderr) = run_cli(&[
-        "replay",
-        "--tenant",
-        "1",
-        "--resource",
-        "vouchers",
-        "--config",
-        &config,
-    ]);
-    assert_eq!(code, 0, "{stderr}");
-    let replay_id = stdout
-        .strip_prefix("replay ")
-        .and_then(|rest| rest.split_whitespace().next())
-        .unwrap()
-        .to_string();
+    let (replay_id, stdout) = replay_vouchers_of_tenant_1(&config);
     assert!(
         stdout
             .trim_end()
@@ -293,6 +299,40 @@ async fn status_and_replay_go_through_the_admin_api_while_a_daemon_runs_and_to_t
             .any(|e| e["type"] == "replay.completed" && e["replayid"] == replay_id.as_str())
     })
     .await;
+
+    // Steering goes through the daemon too.
+    let through = format!(
+        "written to: daemon at http://127.0.0.1:{port} (it holds the state store {})",
+        dir.path().join("state").display()
+    );
+    let (code, stdout, stderr) = run_cli(&["pause", "--tenant", "2", "--config", &config]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(
+        stdout.lines().collect::<Vec<_>>(),
+        ["2/vouchers paused", "2/categories paused", through.as_str()]
+    );
+    let (code, _, stderr) = run_cli(&["sweep", "--tenant", "2", "--config", &config]);
+    assert_eq!(code, 1);
+    assert!(
+        stderr.trim().ends_with(
+            "answered 409 to POST /v1/tenants/2/sweep: stream 2/vouchers is paused: resume it first"
+        ),
+        "{stderr}"
+    );
+    let (code, _, stderr) = run_cli(&["resume", "--tenant", "2", "--config", &config]);
+    assert_eq!(code, 0, "{stderr}");
+    let (code, stdout, stderr) = run_cli(&[
+        "sweep",
+        "--tenant",
+        "2",
+        "--resource",
+        "categories",
+        "--full",
+        "--config",
+        &config,
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(stdout.trim(), "2/categories: full sweep started");
 
     // A wrong admin token is refused with the admin API's own message.
     let wrong = write_config(
@@ -599,4 +639,150 @@ fn demo_piped_into_head_exits_once_head_has_its_lines() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(stdout.lines().count(), 3, "{stdout}");
     assert!(stderr.contains("demo exit 0"), "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn state_export_import_and_reset_move_a_tenant_between_stores_and_refuse_a_store_a_daemon_holds(
+) {
+    let sim = spawn_small_simulator(2).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (old_dir, new_dir) = (dir.path().join("old"), dir.path().join("new"));
+    std::fs::create_dir_all(&old_dir).unwrap();
+    std::fs::create_dir_all(&new_dir).unwrap();
+    let old_test_config = TestConfig::for_simulator(&sim, &old_dir, &[1, 2]);
+    let old = write_config(&old_dir, &old_test_config.toml());
+    let new_test_config = TestConfig::for_simulator(&sim, &new_dir, &[1]);
+    let new = write_config(&new_dir, &new_test_config.toml());
+    let (code, _, stderr) = run_cli(&["run", "--once", "--config", &old]);
+    assert_eq!(code, 0, "{stderr}");
+
+    let mut daemon = spawn_daemon(&old_test_config).await;
+    let (code, stdout, stderr) = run_cli(&["state", "export", "--config", &old]);
+    assert_eq!(code, 1, "{stderr}");
+    assert_eq!(stdout, "");
+    assert_eq!(
+        stderr.trim(),
+        format!(
+            "error: state store {} is held by a running daemon: stop it first (state export, \
+             import and reset need the store to themselves)",
+            old_dir.join("state").display()
+        )
+    );
+    daemon.stop().await;
+
+    let (code, dump, stderr) = run_cli(&["state", "export", "--tenant", "1", "--config", &old]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(
+        stderr.lines().collect::<Vec<_>>(),
+        [
+            "exported 1/vouchers: 20 records, 0 tombstones, 0 pending intents",
+            "exported 1/categories: 5 records, 0 tombstones, 0 pending intents"
+        ]
+    );
+    let header: Value = serde_json::from_str(dump.lines().next().unwrap()).unwrap();
+    assert_eq!(header["format"], "voucher-cdc-state");
+    assert_eq!(header["version"], 1);
+    assert_eq!(dump.lines().count(), 1 + 2 + 25);
+    let file = dir.path().join("tenant-1.jsonl");
+    std::fs::write(&file, &dump).unwrap();
+    let file = file.display().to_string();
+
+    let (code, stdout, stderr) = run_cli(&["state", "import", &file, "--config", &new]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stdout.contains("imported 1/vouchers: 20 records, 0 tombstones, 0 pending intents"),
+        "{stdout}"
+    );
+    let (code, _, stderr) = run_cli(&["state", "import", &file, "--config", &new]);
+    assert_eq!(code, 1);
+    assert_eq!(
+        stderr.trim(),
+        format!(
+            "error: state store {} already holds 1/vouchers, 1/categories: nothing imported (pass \
+             --replace to overwrite them)",
+            new_dir.join("state").display()
+        )
+    );
+    let (code, _, stderr) = run_cli(&["state", "import", &file, "--replace", "--config", &new]);
+    assert_eq!(code, 0, "{stderr}");
+
+    // The new owner goes on from the imported watermarks: nothing to emit.
+    let (code, _, stderr) = run_cli(&["run", "--once", "--config", &new]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(
+        read_events(&new_dir.join("events.jsonl")),
+        Vec::<Value>::new()
+    );
+
+    // A pause written to the store directly: `run --once` does not sweep it.
+    let (code, stdout, stderr) = run_cli(&["pause", "--tenant", "1", "--config", &new]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stdout.starts_with("1/vouchers paused\n1/categories paused\n"),
+        "{stdout}"
+    );
+    let changed = sim.record_ids(1, Resource::Vouchers)[0];
+    sim.update(1, Resource::Vouchers, changed);
+    let (code, _, stderr) = run_cli(&["run", "--once", "--config", &new]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(read_events(&new_dir.join("events.jsonl")).len(), 0);
+    let (code, table, _) = run_cli(&["status", "--config", &new]);
+    assert_eq!(code, 0);
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("1/vouchers") && l.ends_with("paused")),
+        "{table}"
+    );
+    assert!(table.contains("1/vouchers paused since"), "{table}");
+    let (code, _, stderr) = run_cli(&["resume", "--tenant", "1", "--config", &new]);
+    assert_eq!(code, 0, "{stderr}");
+    let (code, _, stderr) = run_cli(&["run", "--once", "--config", &new]);
+    assert_eq!(code, 0, "{stderr}");
+    let events = read_events(&new_dir.join("events.jsonl"));
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["op"], "update");
+
+    // A replay scheduled and cancelled on the store: the watermark comes back.
+    let watermark = |path: &str| {
+        let (_, json, _) = run_cli(&["status", "--json", "--config", path]);
+        let report: StatusReport = serde_json::from_str(&json).unwrap();
+        report
+            .streams
+            .iter()
+            .find(|s| s.key() == StreamKey::new(1, Resource::Vouchers))
+            .unwrap()
+            .watermark
+    };
+    let before = watermark(&new);
+    assert!(before.is_some());
+    let (replay_id, _) = replay_vouchers_of_tenant_1(&new);
+    assert_eq!(watermark(&new), None, "a replay without --since clears it");
+    let (code, table, stderr) = run_cli(&["replays", "--config", &new]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with(&replay_id) && l.contains("scheduled") && l.contains(" cli ")),
+        "{table}"
+    );
+    let (code, _, stderr) = run_cli(&["cancel-replay", &replay_id, "--config", &new]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(watermark(&new), before);
+    let (code, _, stderr) = run_cli(&["cancel-replay", &replay_id, "--config", &new]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("is cancelled already"), "{stderr}");
+
+    let (code, stdout, stderr) = run_cli(&["state", "reset", "--tenant", "1", "--config", &new]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stdout.contains("forgot 1/vouchers (20 records): its next sweep is a first sync"),
+        "{stdout}"
+    );
+    let (code, _, stderr) = run_cli(&["state", "reset", "--tenant", "1", "--config", &new]);
+    assert_eq!(code, 1);
+    assert!(
+        stderr.contains("holds no stream of tenant 1: it holds nothing"),
+        "{stderr}"
+    );
 }

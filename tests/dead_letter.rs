@@ -238,7 +238,11 @@ async fn a_replay_tries_a_dead_lettered_record_again_and_clears_its_mark() {
     sink.set_mode(FaultMode::Normal);
     sink.take();
     StreamLedger::new(store.as_ref(), VOUCHERS)
-        .schedule_replay(None, chrono::Utc::now())
+        .schedule_replay(
+            None,
+            voucher_cdc::state::RequestedBy::Cli,
+            chrono::Utc::now(),
+        )
         .unwrap();
     sweeper
         .run(SweepKind::Incremental, &CancellationToken::new())

@@ -10,7 +10,8 @@ use chrono::{TimeZone, Utc};
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
 use voucher_cdc::event::{
-    heartbeat_event, record_event, replay_event, Event, Op, RecordChange, StreamPulse,
+    heartbeat_event, record_event, replay_cancelled_event, replay_event, Event, Op, RecordChange,
+    StreamPulse,
 };
 use voucher_cdc::hash::{content_hash, ContentHash, IgnoreKeys};
 use voucher_cdc::schema::DEFAULT_SCHEMA_BASE;
@@ -90,7 +91,7 @@ fn all_record_events() -> Vec<Event> {
     events
 }
 
-/// The replay framing events, with and without `--since`.
+/// The replay framing events (started, completed, cancelled), with and without `--since`.
 fn all_replay_events() -> Vec<Event> {
     let now = Utc.with_ymd_and_hms(2025, 3, 1, 11, 0, 0).unwrap();
     let mut events = Vec::new();
@@ -133,6 +134,14 @@ fn all_replay_events() -> Vec<Event> {
             now,
             &DEFAULT_SCHEMA_BASE,
         ));
+        events.push(replay_cancelled_event(
+            stream,
+            "r-01hq4",
+            since,
+            2,
+            now,
+            &DEFAULT_SCHEMA_BASE,
+        ));
     }
     events
 }
@@ -168,10 +177,11 @@ fn every_record_event_type_and_op_matches_the_schema() {
 }
 
 #[test]
-fn replay_started_and_completed_events_match_the_schema() {
+fn replay_started_completed_and_cancelled_events_match_the_schema() {
     let events = all_replay_events();
     assert!(events.iter().any(|e| e.ty.as_str() == "replay.started"));
     assert!(events.iter().any(|e| e.ty.as_str() == "replay.completed"));
+    assert!(events.iter().any(|e| e.ty.as_str() == "replay.cancelled"));
     for event in &events {
         assert_valid_event(&event.payload);
         assert!(as_json(event).get("op").is_none());

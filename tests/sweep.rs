@@ -389,7 +389,7 @@ async fn replay_re_emits_every_record_of_one_stream_and_nothing_of_the_others() 
         h.sweep(s.tenant, s.resource, SweepKind::Incremental).await;
     }
     let replay_id = StreamLedger::new(h.store.as_ref(), StreamKey::new(2, V))
-        .schedule_replay(None, Utc::now())
+        .schedule_replay(None, voucher_cdc::state::RequestedBy::Cli, Utc::now())
         .unwrap();
     for s in streams {
         let events = h.sweep(s.tenant, s.resource, SweepKind::Incremental).await;
@@ -769,7 +769,7 @@ async fn a_replay_interrupted_between_pages_resumes_without_re_emitting_under_ne
     h.sim.update_silently(1, V, ids[3]);
     h.sim.update_silently(1, V, ids[120]);
     let replay_id = StreamLedger::new(h.store.as_ref(), stream)
-        .schedule_replay(None, Utc::now())
+        .schedule_replay(None, voucher_cdc::state::RequestedBy::Cli, Utc::now())
         .unwrap();
 
     // Shutdown arrives while the first page is in flight: the page commits, the sweep stops.
@@ -858,7 +858,7 @@ async fn a_replay_that_finds_most_records_gone_deletes_them_once_confirmed_and_d
     // The advice works: the replay confirms each delete and completes.
     h.sim.clear_request_log();
     StreamLedger::new(h.store.as_ref(), stream)
-        .schedule_replay(None, Utc::now())
+        .schedule_replay(None, voucher_cdc::state::RequestedBy::Cli, Utc::now())
         .unwrap();
     let events = h.sweep(1, V, SweepKind::Incremental).await;
     let deletes: Vec<i64> = subjects(

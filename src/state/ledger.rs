@@ -12,7 +12,9 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use tracing::info;
 
-use super::{replay_id_bytes, ReplayState, StateError, StateStore, StreamState};
+use super::{
+    replay_id_bytes, Pause, ReplayState, RequestedBy, StateError, StateStore, StreamState,
+};
 use crate::diff::SweepMode;
 use crate::stream::StreamKey;
 
@@ -308,10 +310,16 @@ impl<'s> StreamLedger<'s> {
     pub fn schedule_replay(
         &self,
         since: Option<DateTime<Utc>>,
+        by: RequestedBy,
         now: DateTime<Utc>,
     ) -> Result<String, StateError> {
         let mut state = self.store.load_stream(self.key)?;
         let id = new_replay_id();
+        // A replay replacing a pending one goes back to where that one started.
+        let previous_watermark = match state.replay.as_ref().filter(|r| r.pending) {
+            Some(pending) => pending.previous_watermark,
+            None => state.watermark,
+        };
         state.replay = Some(ReplayState {
             id: id.clone(),
             since,
@@ -319,12 +327,65 @@ impl<'s> StreamLedger<'s> {
             pending: true,
             records: 0,
             epoch: None,
+            requested_by: Some(by),
+            previous_watermark,
+            cancelled_at: None,
         });
         state.watermark = since;
         self.store.save_stream(self.key, &state)?;
         self.store.flush()?;
         info!(tenant = self.key.tenant, resource = %self.key.resource, replay_id = %id, "replay scheduled");
         Ok(id)
+    }
+
+    /// Pauses the stream (no sweep until [`StreamLedger::resume`]); returns
+    /// false when it was paused already (the first pause is kept).
+    pub fn pause(&self, by: RequestedBy, now: DateTime<Utc>) -> Result<bool, StateError> {
+        let mut state = self.store.load_stream(self.key)?;
+        if state.paused.is_some() {
+            return Ok(false);
+        }
+        state.paused = Some(Pause { since: now, by });
+        self.store.save_stream(self.key, &state)?;
+        self.store.flush()?;
+        info!(tenant = self.key.tenant, resource = %self.key.resource, by = by.as_str(), "stream paused");
+        Ok(true)
+    }
+
+    /// Resumes a paused stream: its next sweep lists from its watermark.
+    /// Returns false when it was not paused.
+    pub fn resume(&self) -> Result<bool, StateError> {
+        let mut state = self.store.load_stream(self.key)?;
+        if state.paused.take().is_none() {
+            return Ok(false);
+        }
+        self.store.save_stream(self.key, &state)?;
+        self.store.flush()?;
+        info!(tenant = self.key.tenant, resource = %self.key.resource, "stream resumed");
+        Ok(true)
+    }
+
+    /// Cancels the pending replay `id`: the watermark goes back to where it
+    /// was before the replay, and the replay is no longer pending. Returns the
+    /// cancelled replay as it stood, or None when `id` is not the stream's
+    /// pending replay.
+    pub fn cancel_replay(
+        &self,
+        id: &str,
+        now: DateTime<Utc>,
+    ) -> Result<Option<ReplayState>, StateError> {
+        let mut state = self.store.load_stream(self.key)?;
+        let Some(replay) = state.replay.as_mut().filter(|r| r.pending && r.id == id) else {
+            return Ok(None);
+        };
+        let before = replay.clone();
+        replay.pending = false;
+        replay.cancelled_at = Some(now);
+        state.watermark = before.previous_watermark;
+        self.store.save_stream(self.key, &state)?;
+        self.store.flush()?;
+        info!(tenant = self.key.tenant, resource = %self.key.resource, replay_id = %id, "replay cancelled");
+        Ok(Some(before))
     }
 }
 
@@ -382,6 +443,9 @@ mod tests {
             pending: true,
             records: 7,
             epoch: Some(3),
+            requested_by: None,
+            previous_watermark: None,
+            cancelled_at: None,
         };
         let state = StreamState {
             watermark: Some(at(10)),

@@ -24,7 +24,7 @@ use crate::stream::StreamKey;
 
 pub use acked::{Acked, DeleteCommit, Delivery, NotAcknowledged, PageCommit};
 pub use ledger::{StreamLedger, SweepKind, SweepPlan};
-pub use sled_store::{SledStore, LAYOUT_MARKER, LAYOUT_VERSION};
+pub use sled_store::{SledStore, StreamDump, LAYOUT_MARKER, LAYOUT_VERSION};
 
 /// A scheduled or running replay of one stream.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -45,6 +45,45 @@ pub struct ReplayState {
     /// emitting them again.
     #[serde(default)]
     pub epoch: Option<u64>,
+    /// Who asked for the replay (None: a store written before this was recorded).
+    #[serde(default)]
+    pub requested_by: Option<RequestedBy>,
+    /// The stream's watermark when the replay was scheduled: a cancelled
+    /// replay puts it back, so the stream goes on from where it was.
+    #[serde(default)]
+    pub previous_watermark: Option<DateTime<Utc>>,
+    /// When the replay was cancelled (it then is no longer pending).
+    #[serde(default)]
+    pub cancelled_at: Option<DateTime<Utc>>,
+}
+
+/// Who asked for an operator action: the CLI on the store, or the admin API.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RequestedBy {
+    /// The `voucher-cdc` command, writing the store directly.
+    Cli,
+    /// The daemon's admin API (the CLI goes through it while a daemon runs).
+    Api,
+}
+
+impl RequestedBy {
+    /// `cli` or `api`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RequestedBy::Cli => "cli",
+            RequestedBy::Api => "api",
+        }
+    }
+}
+
+/// An operator's pause of a stream: it is not swept until resumed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pause {
+    /// When the stream was paused.
+    pub since: DateTime<Utc>,
+    /// Who paused it.
+    pub by: RequestedBy,
 }
 
 /// Per-stream state; `Default` means "never synced".
@@ -77,6 +116,9 @@ pub struct StreamState {
     /// sweeps go on meanwhile), so a failing full listing does not spend the
     /// shared budget on every poll.
     pub full_sweep_retry_at: Option<DateTime<Utc>>,
+    /// Set while an operator paused the stream: no sweep and no upstream
+    /// request until it is resumed; survives restarts.
+    pub paused: Option<Pause>,
 }
 
 /// What the store knows about one committed record.

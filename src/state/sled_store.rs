@@ -506,20 +506,7 @@ impl StateStore for SledStore {
         key: StreamKey,
         epoch: u64,
     ) -> Result<Vec<(i64, RecordState)>, StateError> {
-        let mut out = Vec::new();
-        for entry in self.catalog.scan_prefix(codec::prefix(KIND_RECORD, key)) {
-            let (k, v) = entry.map_err(|e| self.err(e))?;
-            let number =
-                codec::key_id(&k).ok_or_else(|| self.corrupt_value("record bucket", &k))?;
-            let bucket =
-                codec::decode_bucket(&v).ok_or_else(|| self.corrupt_value("record bucket", &k))?;
-            for (slot, record) in bucket.slots.iter().enumerate() {
-                if let Some(record) = record.filter(|r| r.seen_epoch < epoch) {
-                    out.push((codec::id_in_bucket(number, slot), record));
-                }
-            }
-        }
-        Ok(out)
+        self.scan_records(key, |r| r.seen_epoch < epoch)
     }
 
     fn record_count(&self, key: StreamKey) -> Result<u64, StateError> {
@@ -564,6 +551,162 @@ impl StateStore for SledStore {
         Ok(())
     }
 }
+
+/// Everything a store holds for one stream: what `state export` writes and
+/// `state import` loads (see `crate::control::state_file`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StreamDump {
+    /// The stream's lifecycle state (watermark, epochs, replay, pause, ...).
+    pub state: StreamState,
+    /// Committed records, in id order.
+    pub records: Vec<(i64, RecordState)>,
+    /// Tombstones of deleted ids, in id order.
+    pub tombstones: Vec<(i64, Tombstone)>,
+    /// Journalled intents not yet committed, in id order.
+    pub intents: Vec<(i64, Intent)>,
+    /// Dead-letter marks, in id order.
+    pub dead_letters: Vec<(i64, DeadLetter)>,
+}
+
+impl SledStore {
+    /// True when the store holds anything of `key` (state, records, tombstones, intents).
+    pub fn holds(&self, key: StreamKey) -> Result<bool, StateError> {
+        if self
+            .streams
+            .contains_key(codec::stream_key(key))
+            .map_err(|e| self.err(e))?
+        {
+            return Ok(true);
+        }
+        for kind in STREAM_KINDS {
+            if let Some(entry) = self.catalog.scan_prefix(codec::prefix(kind, key)).next() {
+                entry.map_err(|e| self.err(e))?;
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// Everything the store holds for `key`.
+    pub fn dump_stream(&self, key: StreamKey) -> Result<StreamDump, StateError> {
+        let records = self.scan_records(key, |_| true)?;
+        let mut tombstones = Vec::new();
+        for entry in self.catalog.scan_prefix(codec::prefix(KIND_TOMBSTONE, key)) {
+            let (k, v) = entry.map_err(|e| self.err(e))?;
+            let id = codec::key_id(&k).ok_or_else(|| self.corrupt_value("tombstone", &k))?;
+            let tombstone =
+                codec::decode_tombstone(&v).ok_or_else(|| self.corrupt_value("tombstone", &k))?;
+            tombstones.push((id, tombstone));
+        }
+        Ok(StreamDump {
+            state: self.load_stream(key)?,
+            records,
+            tombstones,
+            intents: self.pending_intents(key)?,
+            dead_letters: self.dead_letters(key)?,
+        })
+    }
+
+    /// Forgets everything of `key`; returns the records it held.
+    pub fn forget_stream(&self, key: StreamKey) -> Result<u64, StateError> {
+        let held = self.stored_count(key)?;
+        let mut batch = sled::Batch::default();
+        self.remove_stream_entries(&mut batch, key)?;
+        let mut journals = lock(&self.journals);
+        self.apply(batch)?;
+        journals.remove(&key);
+        self.streams
+            .remove(codec::stream_key(key))
+            .map_err(|e| self.err(e))?;
+        self.flush()?;
+        Ok(held)
+    }
+
+    /// Replaces whatever the store holds of `key` with `dump`: one atomic
+    /// batch for records, tombstones, intents and dead-letter marks, then the
+    /// stream state, then a flush.
+    pub fn restore_stream(&self, key: StreamKey, dump: &StreamDump) -> Result<(), StateError> {
+        let mut batch = sled::Batch::default();
+        self.remove_stream_entries(&mut batch, key)?;
+        let mut buckets: BTreeMap<i64, Bucket> = BTreeMap::new();
+        for (id, record) in &dump.records {
+            let (bucket, slot) = codec::bucket_of(*id);
+            buckets.entry(bucket).or_default().slots[slot] = Some(*record);
+        }
+        let dirty: BTreeSet<i64> = buckets.keys().copied().collect();
+        Self::write_buckets(&mut batch, key, &buckets, &dirty);
+        let count = buckets.values().map(|b| b.len() as u64).sum();
+        Self::write_count(&mut batch, key, count);
+        let mut value = Vec::with_capacity(32);
+        for (id, tombstone) in &dump.tombstones {
+            codec::encode_tombstone(tombstone, &mut value);
+            batch.insert(&codec::record_key(KIND_TOMBSTONE, key, *id)[..], &value[..]);
+        }
+        for (id, letter) in &dump.dead_letters {
+            let value = serde_json::to_vec(letter)
+                .map_err(|e| self.corrupt(format!("cannot encode a dead letter: {e}")))?;
+            batch.insert(&codec::record_key(KIND_DEAD_LETTER, key, *id)[..], value);
+        }
+        if !dump.intents.is_empty() {
+            let mut value = Vec::new();
+            codec::encode_journal(&dump.intents, &mut value);
+            batch.insert(&codec::journal_key(key, 0)[..], value);
+        }
+        let mut journals = lock(&self.journals);
+        self.apply(batch)?;
+        // Loaded again from the entries just written on first use.
+        journals.remove(&key);
+        drop(journals);
+        self.save_stream(key, &dump.state)?;
+        self.flush()
+    }
+
+    /// The stream's committed records that `keep` accepts, in id order.
+    fn scan_records(
+        &self,
+        key: StreamKey,
+        keep: impl Fn(&RecordState) -> bool,
+    ) -> Result<Vec<(i64, RecordState)>, StateError> {
+        let mut out = Vec::new();
+        for entry in self.catalog.scan_prefix(codec::prefix(KIND_RECORD, key)) {
+            let (k, v) = entry.map_err(|e| self.err(e))?;
+            let number =
+                codec::key_id(&k).ok_or_else(|| self.corrupt_value("record bucket", &k))?;
+            let bucket =
+                codec::decode_bucket(&v).ok_or_else(|| self.corrupt_value("record bucket", &k))?;
+            for (slot, record) in bucket.slots.iter().enumerate() {
+                if let Some(record) = record.filter(&keep) {
+                    out.push((codec::id_in_bucket(number, slot), record));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Adds the removal of every catalog entry of `key` to `batch`.
+    fn remove_stream_entries(
+        &self,
+        batch: &mut sled::Batch,
+        key: StreamKey,
+    ) -> Result<(), StateError> {
+        for kind in STREAM_KINDS {
+            for entry in self.catalog.scan_prefix(codec::prefix(kind, key)) {
+                let (k, _) = entry.map_err(|e| self.err(e))?;
+                batch.remove(k);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Every kind of catalog entry a stream has.
+const STREAM_KINDS: [u8; 5] = [
+    KIND_RECORD,
+    KIND_JOURNAL,
+    KIND_COUNT,
+    KIND_TOMBSTONE,
+    KIND_DEAD_LETTER,
+];
 
 /// Adds the journal entry writes and removals of `plan` to `batch`.
 fn add_journal_plan(batch: &mut sled::Batch, key: StreamKey, plan: &JournalPlan) {
@@ -805,6 +948,9 @@ mod tests {
                 pending: true,
                 records: 3,
                 epoch: Some(5),
+                requested_by: Some(crate::state::RequestedBy::Api),
+                previous_watermark: None,
+                cancelled_at: None,
             }),
             full_sweep_epoch: 4,
             last_error: Some("upstream 503".into()),

@@ -277,6 +277,44 @@ impl Sweeper {
         StreamLedger::new(self.store.as_ref(), self.stream)
     }
 
+    /// Publishes the `replay.cancelled` frame closing `replay` (cancelled by
+    /// an operator after its first sweep published `replay.started`), retrying
+    /// like any frame for at most [`CANCEL_FRAME_TIMEOUT`].
+    pub async fn publish_replay_cancelled(
+        &self,
+        replay: &crate::state::ReplayState,
+    ) -> Result<(), SweepError> {
+        let since = replay.since.map(event::format_time);
+        let frame = event::replay_cancelled_event(
+            self.stream,
+            &replay.id,
+            since.as_deref(),
+            replay.records,
+            Utc::now(),
+            &self.settings.schema_base,
+        );
+        let plan = crate::state::ledger::plan_sweep(
+            &crate::state::StreamState::default(),
+            SweepKind::Incremental,
+            self.settings.lookback,
+        );
+        let cancel = CancellationToken::new();
+        let run = SweepRun {
+            sweeper: self,
+            client: self.client.clone(),
+            plan: &plan,
+            cancel: &cancel,
+            report: SweepReport::default(),
+        };
+        let publish = run.publish_all(std::slice::from_ref(&frame));
+        match tokio::time::timeout(CANCEL_FRAME_TIMEOUT, publish).await {
+            Ok(result) => result?,
+            Err(_) => return Err(SweepError::Interrupted),
+        }
+        run.count_event(&frame);
+        Ok(())
+    }
+
     /// Runs one sweep; records its outcome in the stream state either way.
     ///
     /// `cancel` stops the sweep between two pages: the page in flight
@@ -682,6 +720,9 @@ impl SweepRun<'_> {
         .increment(1);
     }
 }
+
+/// How long a `replay.cancelled` frame is retried before the cancel gives up on it.
+pub const CANCEL_FRAME_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Deletes confirmed, published and committed together (one GET each first).
 const DELETE_CHUNK: usize = 50;

@@ -106,6 +106,18 @@ impl TestConfig {
         self
     }
 
+    /// `poll.park_recheck_interval`.
+    pub fn with_park_recheck_interval(mut self, interval: Duration) -> Self {
+        self.poll.park_recheck_interval = interval;
+        self
+    }
+
+    /// `poll.strategy`.
+    pub fn with_strategy(mut self, strategy: voucher_cdc::planner::Strategy) -> Self {
+        self.poll.strategy = strategy;
+        self
+    }
+
     /// Every sweep due as a full sweep (both intervals 10ms).
     pub fn with_every_sweep_full(self) -> Self {
         self.with_poll_interval(Duration::from_millis(10))
