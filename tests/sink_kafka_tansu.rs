@@ -14,6 +14,7 @@ mod common;
 use std::time::Duration;
 
 use voucher_cdc::event::Op;
+use voucher_cdc::sinks::binding::ROUTING_ATTRIBUTES;
 use voucher_cdc::sinks::kafka::{KafkaSink, KafkaSinkConfig};
 use voucher_cdc::sinks::Sink;
 use voucher_cdc::stream::{Resource, StreamKey};
@@ -78,13 +79,21 @@ async fn events_reach_a_real_broker_on_created_topics_with_keys_headers_and_tomb
             format!("voucher_cdc.{}", event.stream.resource)
         );
         assert_eq!(record.key.as_deref(), Some(event.partition_key.as_bytes()));
-        assert_eq!(
-            record.headers,
-            vec![(
-                "content-type".to_string(),
-                b"application/cloudevents+json".to_vec()
-            )]
-        );
+        // Structured mode: the content type, and the routing attributes as
+        // `ce_` headers equal to the event's own (the CloudEvents Kafka binding).
+        let doc: serde_json::Value = serde_json::from_slice(&event.payload).unwrap();
+        let mut headers = vec![(
+            "content-type".to_string(),
+            b"application/cloudevents+json".to_vec(),
+        )];
+        for name in ROUTING_ATTRIBUTES {
+            let value = match &doc[name] {
+                serde_json::Value::String(text) => text.clone(),
+                other => other.to_string(),
+            };
+            headers.push((format!("ce_{name}"), value.into_bytes()));
+        }
+        assert_eq!(record.headers, headers, "event {}", event.id);
     }
     let tombstones: Vec<_> = records.iter().filter(|r| r.payload.is_none()).collect();
     assert_eq!(tombstones.len(), 2);
