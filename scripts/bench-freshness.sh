@@ -11,6 +11,7 @@
 #   bash scripts/bench-freshness.sh [--minutes M] [--strategies uniform,adaptive]
 #                                   [--drain S] [--tenants N] [--keep]
 #                                   [--max-interval D]   (adaptive's poll.max_interval, default 5m)
+#                                   [--tail-guard G]     (adaptive's poll.tail_guard, default: the build's)
 #
 # Everything listens on 127.0.0.1 only; every process it starts is killed on
 # exit; the whole run is bounded (initial sync timeout + window + drain).
@@ -28,6 +29,7 @@ CATEGORIES=5
 SYNC_TIMEOUT=900
 KEEP=0
 MAX_INTERVAL=5m
+TAIL_GUARD=""
 
 usage() {
   sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
@@ -42,12 +44,13 @@ while [ $# -gt 0 ]; do
     --sync-timeout) SYNC_TIMEOUT="${2:?--sync-timeout needs a value}"; shift 2 ;;
     --keep) KEEP=1; shift ;;
     --max-interval) MAX_INTERVAL="${2:?--max-interval needs a value}"; shift 2 ;;
+    --tail-guard) TAIL_GUARD="${2:?--tail-guard needs a value}"; shift 2 ;;
     -h | --help) usage; exit 0 ;;
     *) echo "error: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
 
-for number in "$MINUTES" "$DRAIN" "$TENANTS" "$SYNC_TIMEOUT"; do
+for number in "$MINUTES" "$DRAIN" "$TENANTS" "$SYNC_TIMEOUT" ${TAIL_GUARD:+"$TAIL_GUARD"}; do
   case "$number" in
     '' | *[!0-9.]*) echo "error: '$number' is not a number" >&2; exit 2 ;;
   esac
@@ -121,6 +124,9 @@ write_config() {
     printf '[poll]\ninterval = "30s"\n'
     if [ "$with_planner_keys" -eq 1 ]; then
       printf 'max_interval = "%s"\nstrategy = "%s"\n' "$MAX_INTERVAL" "$strategy"
+      if [ -n "$TAIL_GUARD" ]; then
+        printf 'tail_guard = %s\n' "$TAIL_GUARD"
+      fi
     fi
     printf '\n[state]\npath = "%s/state"\n\n' "$dir"
     printf '[sink]\nkind = "file"\n\n[sink.file]\npath = "%s/events.jsonl"\n\n' "$dir"
