@@ -226,6 +226,11 @@ for path in sorted(pathlib.Path("deploy/grafana").glob("*.json")) + sorted(pathl
             fail(f"{path}: no prometheus datasource variable")
         unused = sorted(metric_names - used)
         ok(f"{path}: dashboard, {len(exprs)} queries" + (f" (not charted: {unused})" if unused else ""))
+    elif "openapi" in doc:
+        # The admin API's description (tests/admin.rs checks it against the routes).
+        if not str(doc["openapi"]).startswith("3.") or not doc.get("paths"):
+            fail(f"{path}: not an OpenAPI 3 document with paths")
+        ok(f"{path}: OpenAPI {doc['openapi']}")
     else:
         if doc.get("$schema") != "https://json-schema.org/draft/2020-12/schema":
             fail(f"{path}: $schema is not draft 2020-12")
