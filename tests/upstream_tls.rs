@@ -235,3 +235,47 @@ fn check_config_refuses_a_missing_or_non_pem_ca_file_with_one_line_naming_the_ke
     let (code, stderr) = check_config_with_ca_file(dir.path(), &server.ca);
     assert_eq!(code, 0, "{stderr}");
 }
+
+/// `check-config --probe` of `config` off the async runtime: (exit code, the upstream probe line).
+async fn probe_upstream(dir: &Path, config: TestConfig) -> (i32, String) {
+    let path = config.write(&dir.join("probe.toml")).display().to_string();
+    let (code, stdout, stderr) = tokio::task::spawn_blocking(move || {
+        run_cli(&["check-config", "--config", &path, "--probe"])
+    })
+    .await
+    .unwrap();
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("# probe ") && l.contains("upstream tenant 1"))
+        .unwrap_or_else(|| panic!("no upstream probe line:\n{stdout}\n{stderr}"))
+        .to_string();
+    (code, line)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_config_probe_trusts_ca_file_and_names_a_refused_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = pki(dir.path(), "upstream");
+    let other = pki(dir.path(), "other");
+    let sim = tls_simulator(&server).await;
+
+    let trusting = TestConfig::for_simulator(&sim, dir.path(), &[1]).with_ca_file(&server.ca);
+    let (code, line) = probe_upstream(dir.path(), trusting).await;
+    assert_eq!(code, 0, "{line}");
+    assert!(
+        line.starts_with("# probe ok    upstream tenant 1: "),
+        "{line}"
+    );
+
+    let wrong = TestConfig::for_simulator(&sim, dir.path(), &[1]).with_ca_file(&other.ca);
+    let (code, line) = probe_upstream(dir.path(), wrong).await;
+    assert_ne!(code, 0, "{line}");
+    assert!(
+        line.starts_with(&format!(
+            "# probe FAIL  upstream tenant 1: upstream https://{}: tls: invalid peer certificate: UnknownIssuer",
+            sim.addr()
+        )),
+        "{line}"
+    );
+    sim.shutdown().await;
+}
