@@ -6,6 +6,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_rustls::rustls::{self, ServerConfig};
 use tokio_rustls::TlsAcceptor;
 
@@ -42,15 +44,14 @@ impl TlsIdentity {
 
     /// The acceptor serving this identity over TLS 1.2 and 1.3, HTTP/1.1 only.
     pub fn acceptor(&self) -> anyhow::Result<TlsAcceptor> {
-        let certs = rustls_pemfile::certs(&mut self.cert_pem.as_bytes())
+        let certs = CertificateDer::pem_slice_iter(self.cert_pem.as_bytes())
             .collect::<Result<Vec<_>, _>>()
             .context("the tls certificate is not valid PEM")?;
         if certs.is_empty() {
             anyhow::bail!("the tls certificate file holds no PEM certificate");
         }
-        let key = rustls_pemfile::private_key(&mut self.key_pem.as_bytes())
-            .context("the tls key is not valid PEM")?
-            .context("the tls key file holds no PEM private key")?;
+        let key = PrivateKeyDer::from_pem_slice(self.key_pem.as_bytes())
+            .context("the tls key file holds no usable PEM private key")?;
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let mut config = ServerConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()

@@ -7,6 +7,8 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::CertificateDer;
 use tokio_rustls::rustls::{self, CertificateError, RootCertStore};
 
 /// CA certificates the upstream client trusts in addition to the public roots.
@@ -30,10 +32,9 @@ impl TrustRoots {
     /// Reads every certificate in `pem` (named `source` in messages); each must
     /// be an X.509 certificate a trust store accepts, and there must be one.
     pub fn from_pem(source: &Path, pem: &[u8]) -> Result<Self, String> {
-        let mut reader = pem;
         let mut store = RootCertStore::empty();
         let mut certificates = Vec::new();
-        for item in rustls_pemfile::certs(&mut reader) {
+        for item in CertificateDer::pem_slice_iter(pem) {
             let cert = item.map_err(|e| format!("{} is not valid PEM: {e}", source.display()))?;
             store.add(cert.clone()).map_err(|e| {
                 format!(
@@ -42,7 +43,7 @@ impl TrustRoots {
                     source.display()
                 )
             })?;
-            certificates.push(cert.as_ref().to_vec());
+            certificates.push(cert.to_vec());
         }
         if certificates.is_empty() {
             return Err(format!(
@@ -96,7 +97,7 @@ fn rustls_error<'a>(err: &'a (dyn std::error::Error + 'static)) -> Option<&'a ru
 fn refusal(error: &rustls::Error, roots: Option<&TrustRoots>) -> Option<RefusedCertificate> {
     let trusted = match roots {
         Some(roots) => format!(
-            "upstream.ca_file {} and the public roots",
+            "upstream.ca_file {} or the public roots",
             roots.source.display()
         ),
         None => "the public roots (no upstream.ca_file is set)".to_string(),
