@@ -19,38 +19,7 @@ use voucher_cdc::sinks::Sink;
 use voucher_cdc::stream::{Resource, StreamKey};
 
 use brokers::{sample_events, spawn_nats_with_config, NatsServer};
-
-/// A CA and a server certificate for 127.0.0.1 it signed, as PEM files in `dir`.
-struct TestPki {
-    ca: PathBuf,
-    cert: PathBuf,
-    key: PathBuf,
-}
-
-fn pki(dir: &Path, name: &str) -> TestPki {
-    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(DnType::CommonName, format!("{name} test ca"));
-    let ca = ca_params.self_signed(&ca_key).unwrap();
-    let key = KeyPair::generate().unwrap();
-    let params =
-        CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
-    let cert = params.signed_by(&key, &ca, &ca_key).unwrap();
-    let write = |file: &str, pem: String| {
-        let path = dir.join(format!("{name}-{file}"));
-        std::fs::write(&path, pem).unwrap();
-        path
-    };
-    TestPki {
-        ca: write("ca.pem", ca.pem()),
-        cert: write("cert.pem", cert.pem()),
-        key: write("key.pem", key.serialize_pem()),
-    }
-}
+use common::pki::pki;
 
 fn secret_file(dir: &Path, name: &str, content: &str) -> PathBuf {
     let path = dir.join(name);

@@ -25,6 +25,7 @@ use crate::stream::{Resource, StreamKey, TenantId};
 use crate::sweep::SweepSettings;
 use crate::telemetry::LogFormat;
 use crate::upstream::client::ClientOptions;
+use crate::upstream::tls::TrustRoots;
 
 pub use self::load::{
     from_toml_str, is_config_env_key, key_path, load, load_from, ENV_PREFIX, SECTIONS,
@@ -104,6 +105,9 @@ pub struct RawUpstreamConfig {
     /// File holding the bearer token (trailing whitespace ignored).
     #[serde(default)]
     pub token_file: Option<PathBuf>,
+    /// PEM file of CA certificates trusted for an `https` base URL, besides the public roots.
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
     /// Request budget per token per minute, shared by every stream using it.
     #[serde(default = "default_requests_per_minute")]
     pub requests_per_minute: u32,
@@ -147,6 +151,7 @@ impl Default for RawUpstreamConfig {
             base_url: None,
             token: None,
             token_file: None,
+            ca_file: None,
             requests_per_minute: default_requests_per_minute(),
             rate_window: default_rate_window(),
             timeout: default_timeout(),
@@ -165,6 +170,8 @@ pub struct UpstreamConfig {
     /// `upstream.token`, else the content of `upstream.token_file`; `None`
     /// only when every tenant has its own token.
     pub token: Option<Secret>,
+    /// The certificates of `upstream.ca_file`, read at load.
+    pub ca: Option<TrustRoots>,
     /// Request budget per token per minute, shared by every stream using it.
     pub requests_per_minute: u32,
     /// The window `requests_per_minute` is counted in (a minute).
@@ -184,6 +191,7 @@ impl From<&UpstreamConfig> for ClientOptions {
             timeout: upstream.timeout,
             max_attempts: upstream.max_attempts,
             retry_after_max: upstream.retry_after_max,
+            ca: upstream.ca.clone(),
             ..ClientOptions::default()
         }
     }
@@ -615,6 +623,11 @@ impl RawUpstreamConfig {
     fn check(&self, tenants: &[TenantConfig], problems: &mut Problems) -> Option<UpstreamConfig> {
         let base_url = self.check_base_url(problems);
         let token = self.resolve_token(tenants, problems);
+        let ca = self.ca_file.as_deref().and_then(|path| {
+            TrustRoots::from_pem_file(path)
+                .map_err(|e| problems.bad("upstream.ca_file", e))
+                .ok()
+        });
         if self.requests_per_minute == 0 {
             problems.bad("upstream.requests_per_minute", "must be at least 1");
         }
@@ -651,6 +664,7 @@ impl RawUpstreamConfig {
         Some(UpstreamConfig {
             base_url: base_url?,
             token,
+            ca,
             requests_per_minute: self.requests_per_minute,
             rate_window: self.rate_window,
             timeout: self.timeout,

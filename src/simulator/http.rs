@@ -24,6 +24,9 @@ use bytes::{BufMut, BytesMut};
 use serde::Serialize;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::server::TlsStream;
+use tokio_rustls::TlsAcceptor;
+use tokio_util::either::Either;
 use tokio_util::sync::CancellationToken;
 
 use super::cursor::query_fingerprint;
@@ -56,13 +59,21 @@ impl axum::extract::connect_info::Connected<IncomingStream<'_, SimListener>> for
     }
 }
 
-/// A TCP listener whose streams fail every read and write once killed.
+/// Longest TLS handshake the listener waits for before it takes the next connection.
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A TCP listener, TLS when given an acceptor, whose streams fail every
+/// read and write once killed.
 pub struct SimListener {
     inner: TcpListener,
+    tls: Option<TlsAcceptor>,
 }
 
+/// A connection: plain, or TLS over the same killable stream.
+pub type SimStream = Either<KillableStream, TlsStream<KillableStream>>;
+
 impl Listener for SimListener {
-    type Io = KillableStream;
+    type Io = SimStream;
     type Addr = ConnInfo;
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {
@@ -76,7 +87,18 @@ impl Listener for SimListener {
                         inner: stream,
                         kill: kill.clone(),
                     };
-                    return (io, ConnInfo { peer, kill });
+                    let Some(acceptor) = &self.tls else {
+                        return (Either::Left(io), ConnInfo { peer, kill });
+                    };
+                    match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(io)).await {
+                        Ok(Ok(tls)) => return (Either::Right(tls), ConnInfo { peer, kill }),
+                        Ok(Err(e)) => {
+                            tracing::debug!(%peer, error = %e, "simulator tls handshake failed");
+                        }
+                        Err(_) => {
+                            tracing::debug!(%peer, "simulator tls handshake timed out");
+                        }
+                    }
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "simulator accept failed");
@@ -160,11 +182,19 @@ impl AsyncWrite for KillableStream {
     }
 }
 
-/// Serves the API until `cancel` fires.
-pub async fn serve(listener: TcpListener, state: AppState, cancel: CancellationToken) {
+/// Serves the API, over TLS when given an acceptor, until `cancel` fires.
+pub async fn serve(
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
+    state: AppState,
+    cancel: CancellationToken,
+) {
     let app = router(state);
     let result = axum::serve(
-        SimListener { inner: listener },
+        SimListener {
+            inner: listener,
+            tls,
+        },
         app.into_make_service_with_connect_info::<ConnInfo>(),
     )
     .with_graceful_shutdown(async move { cancel.cancelled().await })

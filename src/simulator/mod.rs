@@ -16,6 +16,7 @@ mod query;
 mod redeem;
 mod state;
 mod store;
+mod tls;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -33,6 +34,7 @@ use model::RedemptionVoucher;
 
 pub use state::token_fingerprint;
 pub use store::RecordValue;
+pub use tls::TlsIdentity;
 
 /// API path prefix every endpoint lives under.
 pub const API_PREFIX: &str = "/api/external/v1";
@@ -197,6 +199,12 @@ pub struct SimulateArgs {
     /// Append one JSON line per API request to this file.
     #[arg(long, value_name = "FILE")]
     pub request_log: Option<PathBuf>,
+    /// Serve HTTPS with this PEM certificate chain (leaf first); needs `--tls-key`.
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM private key of `--tls-cert`.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
 }
 
 /// Options of an in-process simulator; see [`SimulateArgs`] for the meaning of shared fields.
@@ -238,6 +246,8 @@ pub struct SimulatorOptions {
     pub change_log: Option<PathBuf>,
     /// JSON-lines file receiving one line per API request.
     pub request_log: Option<PathBuf>,
+    /// Serve HTTPS with this certificate and key instead of plain HTTP.
+    pub tls: Option<TlsIdentity>,
 }
 
 impl Default for SimulatorOptions {
@@ -261,13 +271,21 @@ impl Default for SimulatorOptions {
             oversize: Vec::new(),
             change_log: None,
             request_log: None,
+            tls: None,
         }
     }
 }
 
-impl From<SimulateArgs> for SimulatorOptions {
-    fn from(args: SimulateArgs) -> Self {
-        Self {
+impl TryFrom<SimulateArgs> for SimulatorOptions {
+    type Error = anyhow::Error;
+
+    /// The options of the flags, reading `--tls-cert` and `--tls-key`.
+    fn try_from(args: SimulateArgs) -> anyhow::Result<Self> {
+        let tls = match (&args.tls_cert, &args.tls_key) {
+            (Some(cert), Some(key)) => Some(TlsIdentity::from_files(cert, key)?),
+            _ => None,
+        };
+        Ok(Self {
             listen: args.listen,
             tenants: args.tenants,
             vouchers: args.vouchers,
@@ -286,7 +304,8 @@ impl From<SimulateArgs> for SimulatorOptions {
             oversize: args.oversize,
             change_log: args.change_log,
             request_log: args.request_log,
-        }
+            tls,
+        })
     }
 }
 
@@ -371,6 +390,8 @@ pub struct RequestLogEntry {
 pub struct Simulator {
     state: Arc<state::SimState>,
     addr: SocketAddr,
+    /// Whether the listener speaks TLS (`https` base URL).
+    tls: bool,
     token: String,
     cancel: CancellationToken,
     server: Option<JoinHandle<()>>,
@@ -402,6 +423,7 @@ impl Simulator {
         let open = |path: &Option<PathBuf>| path.as_deref().map(journal::Journal::open).transpose();
         let change_log = open(&opts.change_log)?;
         let request_log = open(&opts.request_log)?;
+        let acceptor = opts.tls.as_ref().map(TlsIdentity::acceptor).transpose()?;
         let listener = tokio::net::TcpListener::bind(opts.listen)
             .await
             .with_context(|| format!("binding simulator listener on {}", opts.listen))?;
@@ -412,7 +434,13 @@ impl Simulator {
         state.request_journal = request_log;
         let state = Arc::new(state);
         let cancel = CancellationToken::new();
-        let server = tokio::spawn(http::serve(listener, state.clone(), cancel.clone()));
+        let tls = acceptor.is_some();
+        let server = tokio::spawn(http::serve(
+            listener,
+            acceptor,
+            state.clone(),
+            cancel.clone(),
+        ));
         let mutator = (opts.changes_per_minute > 0).then(|| {
             let plan = mutator::MutatorPlan {
                 per_minute: opts.changes_per_minute,
@@ -429,6 +457,7 @@ impl Simulator {
         Ok(Simulator {
             state,
             addr,
+            tls,
             token: opts.token,
             cancel,
             server: Some(server),
@@ -436,9 +465,11 @@ impl Simulator {
         })
     }
 
-    /// Base URL including the version prefix, e.g. `http://127.0.0.1:PORT/api/external/v1`.
+    /// Base URL including the version prefix, e.g. `http://127.0.0.1:PORT/api/external/v1`
+    /// (`https` when serving TLS).
     pub fn base_url(&self) -> String {
-        format!("http://{}{API_PREFIX}", self.addr)
+        let scheme = if self.tls { "https" } else { "http" };
+        format!("{scheme}://{}{API_PREFIX}", self.addr)
     }
 
     /// The bound address.
@@ -653,7 +684,7 @@ pub async fn run(
     args: SimulateArgs,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let opts = SimulatorOptions::from(args);
+    let opts = SimulatorOptions::try_from(args)?;
     let (tenants, vouchers, categories) = (opts.tenants, opts.vouchers, opts.categories);
     let (rate_limit, rate_window, changes) =
         (opts.rate_limit, opts.rate_window, opts.changes_per_minute);

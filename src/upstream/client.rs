@@ -19,6 +19,7 @@ use url::Url;
 use super::error::UpstreamError;
 use super::page::{decode_page, decode_record, DecodedPage, ListQuery, Page, Record};
 use super::ratelimit::{Lane, RateBudget};
+use super::tls::{refused_certificate, TrustRoots};
 use crate::stream::{Resource, TenantId};
 use crate::telemetry::metric;
 
@@ -48,6 +49,8 @@ pub struct ClientOptions {
     pub retry_after_max: Duration,
     /// Wait after a 429 without a usable `Retry-After` (the upstream's counting window).
     pub rate_limit_window: Duration,
+    /// CA certificates trusted besides the public roots (`upstream.ca_file`).
+    pub ca: Option<TrustRoots>,
 }
 
 impl Default for ClientOptions {
@@ -60,6 +63,7 @@ impl Default for ClientOptions {
             backoff_max: Duration::from_secs(30),
             retry_after_max: Duration::from_secs(120),
             rate_limit_window: Duration::from_secs(60),
+            ca: None,
         }
     }
 }
@@ -211,8 +215,16 @@ impl UpstreamClient {
         authorization.set_sensitive(true);
         let mut default_headers = HeaderMap::new();
         default_headers.insert(ACCEPT, HeaderValue::from_static("application/json"));
-        let http = reqwest::Client::builder()
-            .use_rustls_tls()
+        let mut builder = reqwest::Client::builder().use_rustls_tls();
+        for der in opts.ca.iter().flat_map(|ca| &ca.certificates) {
+            let certificate = reqwest::Certificate::from_der(der).map_err(|e| {
+                UpstreamError::Config(format!(
+                    "a certificate of upstream.ca_file is unusable: {e}"
+                ))
+            })?;
+            builder = builder.add_root_certificate(certificate);
+        }
+        let http = builder
             .timeout(opts.timeout)
             .redirect(reqwest::redirect::Policy::none())
             .user_agent(concat!("voucher-cdc/", env!("CARGO_PKG_VERSION")))
@@ -615,9 +627,18 @@ impl UpstreamClient {
         }
     }
 
-    /// Maps a reqwest error (no URL, no headers in the text) to a retriable failure.
+    /// Maps a reqwest error (no URL, no headers in the text) to a failure:
+    /// retriable, except a refused TLS certificate.
     fn transport_failure(&self, call: &Call, err: &reqwest::Error) -> Failure {
         let path = call.path.clone();
+        if let Some(refused) = refused_certificate(err, self.inner.opts.ca.as_ref()) {
+            return Failure::Final(UpstreamError::Tls {
+                origin: self.inner.opts.base_url.origin().ascii_serialization(),
+                path,
+                reason: refused.reason,
+                hint: refused.hint,
+            });
+        }
         if err.is_timeout() {
             let after = self.inner.opts.timeout;
             return Failure::Retriable(UpstreamError::Timeout { path, after }, "timeout");

@@ -89,6 +89,19 @@ pub enum UpstreamError {
         /// What went wrong (no URL, no headers).
         reason: String,
     },
+    /// The client refused the upstream's TLS certificate (unknown issuer,
+    /// expired, wrong name): not retried, the stream parks until it is fixed.
+    #[error("upstream {origin}: tls: {reason} for {path} ({hint})")]
+    Tls {
+        /// Scheme, host and port of the upstream.
+        origin: String,
+        /// Request path below the base URL, without query.
+        path: String,
+        /// Why the certificate was refused, as the TLS library says it.
+        reason: String,
+        /// What to check: `upstream.ca_file`, the certificate's dates or names.
+        hint: String,
+    },
     /// A success status with a body that is truncated, not JSON, or not the documented shape.
     #[error("upstream sent an invalid response for {path}: {reason}")]
     InvalidResponse {
@@ -126,13 +139,15 @@ pub enum UpstreamError {
 }
 
 impl UpstreamError {
-    /// True for 401, 403 and 404: retrying will not help until an operator acts, so the stream parks.
+    /// True for 401, 403, 404 and a refused TLS certificate: retrying will not
+    /// help until an operator acts, so the stream parks.
     pub fn is_parking(&self) -> bool {
         matches!(
             self,
             UpstreamError::Unauthorized { .. }
                 | UpstreamError::Forbidden { .. }
                 | UpstreamError::NotFound { .. }
+                | UpstreamError::Tls { .. }
         )
     }
 
@@ -148,6 +163,7 @@ impl UpstreamError {
             UpstreamError::Unauthorized { .. }
             | UpstreamError::Forbidden { .. }
             | UpstreamError::NotFound { .. }
+            | UpstreamError::Tls { .. }
             | UpstreamError::Validation { .. }
             | UpstreamError::UnexpectedStatus { .. }
             | UpstreamError::EndlessListing { .. }
@@ -168,6 +184,7 @@ impl UpstreamError {
             UpstreamError::Exhausted { last_status, .. } => *last_status,
             UpstreamError::Timeout { .. }
             | UpstreamError::Transport { .. }
+            | UpstreamError::Tls { .. }
             | UpstreamError::InvalidResponse { .. }
             | UpstreamError::EndlessListing { .. }
             | UpstreamError::Config(_) => None,

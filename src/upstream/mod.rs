@@ -1,6 +1,6 @@
 //! The upstream External Voucher API as the bridge uses it: the HTTP client,
 //! the decoded page, pagination and the shared rate budget. Dependencies
-//! point one way: `pagination` → `client` → {`ratelimit`, `page`, `error`}.
+//! point one way: `pagination` → `client` → {`ratelimit`, `page`, `error`, `tls`}.
 //! The API's full wire model belongs to the simulator (`simulator::model`).
 
 pub mod client;
@@ -8,3 +8,4 @@ pub mod error;
 pub mod page;
 pub mod pagination;
 pub mod ratelimit;
+pub mod tls;

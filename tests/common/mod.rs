@@ -2,6 +2,7 @@
 //! [`TestConfig`] is the one config builder and [`free_port`] the one port picker.
 #![allow(dead_code)]
 
+pub mod pki;
 pub mod prometheus;
 pub mod schema;
 pub mod sweeps;

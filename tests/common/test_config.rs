@@ -29,6 +29,8 @@ enum TestSinkConfig {
 pub struct TestConfig {
     base_url: String,
     token: String,
+    /// `upstream.ca_file`.
+    ca_file: Option<PathBuf>,
     max_attempts: u32,
     /// `upstream.requests_per_minute` and `upstream.rate_window`.
     budget: (u32, Duration),
@@ -51,6 +53,7 @@ impl TestConfig {
         TestConfig {
             base_url: base_url.to_string(),
             token: token.to_string(),
+            ca_file: None,
             max_attempts: 2,
             budget: (60_000, Duration::from_secs(60)),
             tenants: tenants.iter().map(|t| (*t, None)).collect(),
@@ -74,6 +77,12 @@ impl TestConfig {
     /// [`TestConfig::new`] against `sim` with its all-powerful token.
     pub fn for_simulator(sim: &Simulator, dir: &Path, tenants: &[u64]) -> Self {
         Self::new(&sim.base_url(), sim.token(), dir, tenants)
+    }
+
+    /// Trusts the CA certificates in the PEM file `path` (`upstream.ca_file`).
+    pub fn with_ca_file(mut self, path: &Path) -> Self {
+        self.ca_file = Some(path.to_path_buf());
+        self
     }
 
     /// Another tenant, streaming only `resources`.
@@ -188,6 +197,9 @@ impl TestConfig {
         let mut upstream = Table::new();
         upstream.insert("base_url".into(), self.base_url.clone().into());
         upstream.insert("token".into(), self.token.clone().into());
+        if let Some(ca_file) = &self.ca_file {
+            upstream.insert("ca_file".into(), ca_file.display().to_string().into());
+        }
         upstream.insert(
             "requests_per_minute".into(),
             i64::from(self.budget.0).into(),
