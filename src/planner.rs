@@ -49,11 +49,11 @@ const TIER_SNAPSHOT: u8 = 2;
 /// stream near the cap; earliest deadline first.
 const TIER_DUE: u8 = 1;
 
-/// Default of `poll.tail_guard`: the tail guard as a share of the round a
-/// uniform schedule takes (every stream's poll cost at the rate the budget
-/// delivers): a stream that may change waits at most this long between
-/// polls, so its changes wait no longer than uniform polling would make them
-/// wait (with a margin for the lanes).
+/// A tail guard (`poll.tail_guard`) with a margin under a uniform round (every
+/// stream's poll cost at the rate the budget delivers): a stream that may
+/// change waits at most this share of it between polls, so its changes would
+/// wait no longer than under uniform polling (with a margin for the lanes).
+/// The guard is off by default (`DEFAULT_TAIL_GUARD`).
 pub const TAIL_GUARD_SHARE: f64 = 0.95;
 
 /// A stream is quiet while the evidence says it changes less than this many
