@@ -39,7 +39,7 @@ use tokio::time::Instant;
 
 use crate::stream::{Resource, StreamKey};
 use crate::telemetry::metric;
-use crate::upstream::ratelimit::RateBudget;
+use crate::upstream::ratelimit::{BudgetState, RateBudget};
 
 /// Rank of a stream past the staleness cap (first).
 const TIER_OVERDUE: u8 = 3;
@@ -577,10 +577,7 @@ impl PlannerCore {
             .last_poll
             .map(|last| last + self.settings.max_interval)
             .filter(|at| *at > now);
-        match (ready, overdue) {
-            (Some(ready), _) => Some(ready),
-            (None, overdue) => overdue,
-        }
+        ready.or(overdue)
     }
 }
 
@@ -728,8 +725,9 @@ impl Planner {
 
     /// Grants every turn the lanes allow now and wakes the streams granted.
     fn grant_and_wake(&self, core: &mut PlannerCore) {
-        let budget_idle = self.budget.observable_state().waiting_poll == 0;
-        core.set_paced_rate(paced_per_second(&self.budget));
+        let state = self.budget.observable_state();
+        core.set_paced_rate(paced_per_second(&self.budget, &state));
+        let budget_idle = state.waiting_poll == 0;
         let granted = core.grant(Instant::now(), budget_idle);
         if granted.is_empty() {
             return;
@@ -743,17 +741,16 @@ impl Planner {
     }
 }
 
-/// Requests a second `budget` delivers (None when unlimited): its paced
+/// Requests a second `budget` delivers (None when unlimited), from its `state`: its paced
 /// rate, or what the last complete window really granted when that was less
 /// (a loaded upstream or the lanes' round trips keep it below the pace; a
 /// round computed from the pace would promise a guard no schedule can keep).
-fn paced_per_second(budget: &RateBudget) -> Option<f64> {
+fn paced_per_second(budget: &RateBudget, state: &BudgetState) -> Option<f64> {
     let window = budget.window().as_secs_f64().max(1e-9);
     let paced = match budget.paced_per_window() {
         0 => return None,
         n => f64::from(n) / window,
     };
-    let state = budget.observable_state();
     let used = f64::from(state.used_last_window) / window;
     Some(if used > 0.0 { paced.min(used) } else { paced })
 }
