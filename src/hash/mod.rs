@@ -4,6 +4,7 @@
 //! representation noise never looks like a change. Pure functions, no I/O.
 
 mod canonical;
+mod fields;
 
 use std::fmt;
 use std::str::FromStr;
@@ -11,6 +12,10 @@ use std::str::FromStr;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use canonical::{escape_key, with_canonical};
+pub use fields::{
+    changed_fields, content_hash_with_fields, decode_field_list, encode_field_list, FieldHash,
+    FieldHashes,
+};
 
 /// The first 16 bytes of a blake3 digest: the 128-bit form of every hash the
 /// bridge publishes (content hashes, event ids, replay data hashes).
