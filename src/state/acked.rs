@@ -8,7 +8,7 @@
 //! [`Delivery`] per change, the count checked. The checkpoint travels with
 //! the batch it covers, as in quickwit's sources and vector's finalizers.
 
-use super::{DeadLetter, RecordState, Tombstone};
+use super::{DeadLetter, RecordState, StoredVersion, Tombstone};
 
 /// The sink's final answer for one published event.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,6 +56,9 @@ pub struct PageCommit {
     pub seen: Vec<i64>,
     /// The epoch `seen` records are marked with.
     pub epoch: u64,
+    /// The stored versions of committed records (`events.changed_fields`,
+    /// `events.before`), each describing the version its record commits.
+    pub versions: Vec<(i64, StoredVersion)>,
 }
 
 /// One chunk of deletes: the tombstones of the records removed.
@@ -101,8 +104,26 @@ impl Acked<PageCommit> {
                 dead_letters,
                 seen,
                 epoch,
+                versions: Vec::new(),
             },
         })
+    }
+
+    /// Adds the stored versions of the page's records; a version that does
+    /// not describe the version its record commits (another id or hash) is
+    /// left out, so a stored version is always one the sink acknowledged.
+    pub fn with_versions(mut self, versions: Vec<(i64, StoredVersion)>) -> Self {
+        let committed: std::collections::HashMap<i64, crate::hash::ContentHash> = self
+            .batch
+            .records
+            .iter()
+            .map(|(id, r)| (*id, r.hash))
+            .collect();
+        self.batch.versions = versions
+            .into_iter()
+            .filter(|(id, v)| committed.get(id) == Some(&v.hash))
+            .collect();
+        self
     }
 
     /// A page with no change: only the `seen` marks of a full sweep.

@@ -24,10 +24,19 @@
 //!   value `count varint | (id i64 BE | intent value)*`, an intent value being
 //!   `flags u8 | hash [16] | updated_at (bit 0) | generation varint |
 //!   seq varint (bit 1) | op u8 (bit 2) | previous hash [16] (bit 3) |
-//!   replay id [16] (bit 4)`; layout 1 intents carry bit 0 at most.
+//!   replay id [16] (bit 4)`; layout 1 intents carry bit 0 at most;
+//! * layout 3: a record's stored version (what `events.changed_fields` and
+//!   `events.before` keep of its last committed version): key `b'v' | tenant |
+//!   tag | id`, value `flags u8 | hash [16] | (bit 0) shape u64 BE | count
+//!   varint | field hash [8] * count | (bit 1) lz4 block of the body with its
+//!   u32 LE length first (the rest of the value)`; the shape, the sorted
+//!   top-level keys the field hashes belong to, is stored once per stream:
+//!   key `b's' | tenant | tag | shape id`, value `count varint | (len varint |
+//!   canonical key bytes) * count`. Layout 1 and 2 stores have neither kind,
+//!   and every layout 1 or 2 value reads as before.
 
 use crate::event::Op;
-use crate::hash::ContentHash;
+use crate::hash::{ContentHash, FieldHash};
 use crate::stream::{Resource, StreamKey};
 
 use super::{Intent, RecordState, Tombstone};
@@ -47,6 +56,11 @@ pub(crate) const KIND_TOMBSTONE: u8 = b't';
 /// Kind byte of a dead-letter mark (record id key, JSON [`super::DeadLetter`] value);
 /// stores of layout 1 and 2 simply have none.
 pub(crate) const KIND_DEAD_LETTER: u8 = b'd';
+
+/// Kind byte of a record's stored version (layout 3): field hashes and/or body.
+pub(crate) const KIND_VERSION: u8 = b'v';
+/// Kind byte of a stream's field shape (layout 3): the keys field hashes belong to.
+pub(crate) const KIND_SHAPE: u8 = b's';
 
 /// Length of a per-record key.
 pub(crate) const RECORD_KEY_LEN: usize = 18;
@@ -393,6 +407,111 @@ pub(crate) fn decode_tombstone(bytes: &[u8]) -> Option<Tombstone> {
     })
 }
 
+const VERSION_FIELDS: u8 = 1;
+const VERSION_BODY: u8 = 1 << 1;
+/// Largest body a stored version decompresses to: a corrupt length can never
+/// make a read allocate gigabytes.
+const MAX_BODY: usize = 256 << 20;
+
+/// The id and encoding of a shape: the sorted canonical keys field hashes belong to.
+pub(crate) fn encode_shape<'k>(keys: impl Iterator<Item = &'k [u8]>) -> (u64, Vec<u8>) {
+    let keys: Vec<&[u8]> = keys.collect();
+    let mut out = Vec::with_capacity(1 + keys.iter().map(|k| k.len() + 1).sum::<usize>());
+    put_varint(&mut out, keys.len() as u64);
+    for key in keys {
+        put_varint(&mut out, key.len() as u64);
+        out.extend_from_slice(key);
+    }
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(b"voucher-cdc/shape/v1");
+    hasher.update(&out);
+    let mut id = [0u8; 8];
+    id.copy_from_slice(&hasher.finalize().as_bytes()[..8]);
+    (u64::from_be_bytes(id), out)
+}
+
+/// Decodes a shape's keys; None when the bytes are malformed.
+pub(crate) fn decode_shape(bytes: &[u8]) -> Option<Vec<Vec<u8>>> {
+    let mut r = Reader { bytes };
+    let count = usize::try_from(r.varint()?).ok()?;
+    let mut keys = Vec::with_capacity(count.min(bytes.len()));
+    for _ in 0..count {
+        let len = usize::try_from(r.varint()?).ok()?;
+        let (key, rest) = r.bytes.split_at_checked(len)?;
+        keys.push(key.to_vec());
+        r.bytes = rest;
+    }
+    r.finish(keys)
+}
+
+/// A stored version as encoded: field hashes refer to a shape by id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct EncodedVersion {
+    /// The content hash of the version described.
+    pub(crate) hash: ContentHash,
+    /// Shape id and the field hashes in the shape's key order.
+    pub(crate) fields: Option<(u64, Vec<FieldHash>)>,
+    /// The body's JSON text.
+    pub(crate) body: Option<String>,
+}
+
+/// Encodes a stored version (the body lz4-compressed).
+pub(crate) fn encode_version(version: &EncodedVersion, out: &mut Vec<u8>) {
+    out.clear();
+    let mut flags = 0;
+    if version.fields.is_some() {
+        flags |= VERSION_FIELDS;
+    }
+    if version.body.is_some() {
+        flags |= VERSION_BODY;
+    }
+    out.push(flags);
+    out.extend_from_slice(&version.hash.0);
+    if let Some((shape, hashes)) = &version.fields {
+        out.extend_from_slice(&shape.to_be_bytes());
+        put_varint(out, hashes.len() as u64);
+        for h in hashes {
+            out.extend_from_slice(h);
+        }
+    }
+    if let Some(body) = &version.body {
+        out.extend_from_slice(&lz4_flex::compress_prepend_size(body.as_bytes()));
+    }
+}
+
+/// Decodes a stored version; None when the bytes are malformed.
+pub(crate) fn decode_version(bytes: &[u8]) -> Option<EncodedVersion> {
+    let mut r = Reader { bytes };
+    let [flags] = r.take::<1>()?;
+    if flags & !(VERSION_FIELDS | VERSION_BODY) != 0 {
+        return None;
+    }
+    let hash = ContentHash(r.take::<16>()?);
+    let fields = if flags & VERSION_FIELDS != 0 {
+        let shape = u64::from_be_bytes(r.take::<8>()?);
+        let count = usize::try_from(r.varint()?).ok()?;
+        let mut hashes = Vec::with_capacity(count.min(r.bytes.len() / 8));
+        for _ in 0..count {
+            hashes.push(r.take::<8>()?);
+        }
+        Some((shape, hashes))
+    } else {
+        None
+    };
+    let body = if flags & VERSION_BODY != 0 {
+        let len = u32::from_le_bytes(*r.bytes.first_chunk::<4>()?) as usize;
+        if len > MAX_BODY {
+            return None;
+        }
+        let text = lz4_flex::decompress_size_prepended(r.bytes).ok()?;
+        r.bytes = &[];
+        Some(String::from_utf8(text).ok()?)
+    } else {
+        None
+    };
+    r.finish(EncodedVersion { hash, fields, body })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -581,6 +700,82 @@ mod tests {
         // Bit 2 belongs to intents only.
         bad_flags[4] = FLAG_OP;
         assert_eq!(decode_bucket(&bad_flags), None);
+    }
+
+    /// Golden bytes of layout 3's stored version and shape (see the test above).
+    #[test]
+    fn the_encodings_of_a_stored_version_and_a_shape_are_pinned() {
+        let (id, shape) = encode_shape([b"id".as_slice(), b"title".as_slice()].into_iter());
+        assert_eq!(hex::encode(&shape), "02026964057469746c65");
+        assert_eq!(
+            decode_shape(&shape),
+            Some(vec![b"id".to_vec(), b"title".to_vec()])
+        );
+        assert_eq!(id, 0xba2b_e965_1883_9502, "{id:#x}");
+        let fields_only = EncodedVersion {
+            hash: hash(0x11),
+            fields: Some((0x0102_0304_0506_0708, vec![[0xaa; 8], [0xbb; 8]])),
+            body: None,
+        };
+        let mut out = Vec::new();
+        encode_version(&fields_only, &mut out);
+        assert_eq!(
+            hex::encode(&out),
+            concat!(
+                "01",
+                "11111111111111111111111111111111",
+                "0102030405060708",
+                "02",
+                "aaaaaaaaaaaaaaaa",
+                "bbbbbbbbbbbbbbbb",
+            )
+        );
+        assert_eq!(decode_version(&out), Some(fields_only));
+        // The body: flags bit 1, then an lz4 block with its length (u32 LE) first.
+        let body = r#"{"id":7,"title":"spa day","title2":"spa day"}"#;
+        let both = EncodedVersion {
+            hash: hash(0x22),
+            fields: Some((9, vec![[1; 8]])),
+            body: Some(body.to_string()),
+        };
+        encode_version(&both, &mut out);
+        assert_eq!(out[0], 0b11);
+        let body_at = 1 + 16 + 8 + 1 + 8;
+        assert_eq!(out[body_at..body_at + 4], (body.len() as u32).to_le_bytes());
+        assert_eq!(
+            lz4_flex::decompress_size_prepended(&out[body_at..]).unwrap(),
+            body.as_bytes()
+        );
+        assert_eq!(decode_version(&out), Some(both));
+    }
+
+    #[test]
+    fn malformed_stored_versions_and_shapes_do_not_decode() {
+        let version = EncodedVersion {
+            hash: hash(3),
+            fields: Some((1, vec![[5; 8]; 3])),
+            body: Some("{\"a\":[1,2,3]}".to_string()),
+        };
+        let mut out = Vec::new();
+        encode_version(&version, &mut out);
+        assert_eq!(decode_version(&out), Some(version));
+        for len in 0..out.len() {
+            assert_eq!(decode_version(&out[..len]), None, "prefix of {len} bytes");
+        }
+        let mut bad = out.clone();
+        bad[0] = 0b100;
+        assert_eq!(decode_version(&bad), None);
+        // A length beyond any body never allocates it.
+        let mut huge = vec![VERSION_BODY];
+        huge.extend_from_slice(&[0; 16]);
+        huge.extend_from_slice(&u32::MAX.to_le_bytes());
+        huge.push(0);
+        assert_eq!(decode_version(&huge), None);
+        let (_, shape) = encode_shape([b"a".as_slice()].into_iter());
+        for len in 0..shape.len() {
+            assert_eq!(decode_shape(&shape[..len]), None);
+        }
+        assert_eq!(decode_shape(&[5, 1]), None);
     }
 
     proptest! {

@@ -19,7 +19,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 use crate::event::Op;
-use crate::hash::ContentHash;
+use crate::hash::{ContentHash, FieldHashes};
 use crate::stream::StreamKey;
 
 pub use acked::{Acked, DeleteCommit, Delivery, NotAcknowledged, PageCommit};
@@ -188,6 +188,22 @@ pub struct DeadLetter {
     pub limit: Option<u64>,
 }
 
+/// What the store keeps of a record's last committed version beyond its
+/// hash, when `events.changed_fields` or `events.before` ask for it: the
+/// previous version an `update` is compared with and a `delete` carries.
+/// Written only with the acknowledged commit of that version, so it always
+/// describes something the sink acknowledged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredVersion {
+    /// The content hash of the version described; an event uses the rest only
+    /// when its `previoushash` is this hash.
+    pub hash: ContentHash,
+    /// The hashes of its top-level fields (`events.changed_fields`).
+    pub fields: Option<FieldHashes>,
+    /// Its JSON text exactly as published in `data` (`events.before`).
+    pub body: Option<String>,
+}
+
 /// What remains of a deleted record: enough to give a re-created record a new event id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Tombstone {
@@ -295,8 +311,10 @@ pub trait StateStore: Send + Sync + 'static {
     fn pending_intents(&self, key: StreamKey) -> Result<Vec<(i64, Intent)>, StateError>;
     /// One atomic batch: upsert the page's acknowledged records, remove their
     /// intents and tombstones, mark its dead-lettered records (every other
-    /// committed id loses a mark it had), and set `seen_epoch = epoch` on the
-    /// `seen` ids that exist (unchanged records seen by a full sweep).
+    /// committed id loses a mark it had), replace their stored versions by the
+    /// page's (a record committed without one keeps none), and set
+    /// `seen_epoch = epoch` on the `seen` ids that exist (unchanged records
+    /// seen by a full sweep).
     fn commit_page(&self, key: StreamKey, page: &Acked<PageCommit>) -> Result<(), StateError>;
     /// The stream's dead-lettered records, in id order.
     fn dead_letters(&self, key: StreamKey) -> Result<Vec<(i64, DeadLetter)>, StateError>;
@@ -308,8 +326,20 @@ pub trait StateStore: Send + Sync + 'static {
     ) -> Result<Vec<(i64, RecordState)>, StateError>;
     /// Number of committed records of the stream.
     fn record_count(&self, key: StreamKey) -> Result<u64, StateError>;
+    /// The stored version of each id (field hashes, body), in the order of
+    /// `ids`; None where the store keeps none. Stores that keep no versions
+    /// need not implement it.
+    fn get_versions(
+        &self,
+        key: StreamKey,
+        ids: &[i64],
+    ) -> Result<Vec<Option<StoredVersion>>, StateError> {
+        let _ = key;
+        Ok(vec![None; ids.len()])
+    }
     /// One atomic batch: remove the acknowledged deletes' records, their
-    /// dead-letter marks and any intents for these ids, write the tombstones.
+    /// dead-letter marks, stored versions and any intents for these ids,
+    /// write the tombstones.
     fn commit_deletes(
         &self,
         key: StreamKey,
