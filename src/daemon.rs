@@ -124,6 +124,8 @@ pub fn sweep_settings(config: &Config) -> SweepSettings {
     SweepSettings {
         on_record_error: config.sink.on_record_error,
         schema_base: config.events.schema_base(config.admin.listen),
+        changed_fields: config.events.changed_fields,
+        before: config.events.before,
         ..SweepSettings::from(&config.poll)
     }
 }

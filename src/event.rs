@@ -161,6 +161,14 @@ pub struct CloudEvent<'a> {
     /// Replay id, on events emitted by a replay.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub replayid: Option<&'a str>,
+    /// `events.changed_fields`, on updates: the top-level keys that changed,
+    /// comma-separated (see [`crate::hash::encode_field_list`]). Not part of the id.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub changedfields: Option<&'a str>,
+    /// `events.before`, on updates and deletes: the previous version's JSON
+    /// text, exactly as its event's `data` carried it. Not part of the id.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub before: Option<&'a str>,
     /// The record exactly as the API returned it.
     pub data: &'a RawValue,
 }
@@ -251,8 +259,23 @@ pub struct RecordChange<'a> {
     pub schema_base: &'a SchemaBase,
 }
 
+/// What `events.changed_fields` and `events.before` add to a record event;
+/// the default adds nothing. Neither is an input of the event id.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct VersionAttributes<'a> {
+    /// The `changedfields` attribute (updates).
+    pub changed_fields: Option<&'a str>,
+    /// The `before` attribute (updates and deletes).
+    pub before: Option<&'a str>,
+}
+
 /// Builds the event for one record change.
 pub fn record_event(change: &RecordChange<'_>) -> Event {
+    record_event_with(change, VersionAttributes::default())
+}
+
+/// Builds the event for one record change, with the attributes of its previous version.
+pub fn record_event_with(change: &RecordChange<'_>, version: VersionAttributes<'_>) -> Event {
     let (ty, schema) = if change.op == Op::Delete {
         (
             EventType::Deleted(change.stream.resource),
@@ -311,6 +334,8 @@ pub fn record_event(change: &RecordChange<'_>) -> Event {
         contenthash: &content_hash,
         previoushash: previous_hash.as_deref(),
         replayid: replay_id.as_deref(),
+        changedfields: version.changed_fields,
+        before: version.before,
         data: change.data,
     };
     let payload = encode(&doc);
@@ -476,6 +501,8 @@ fn stream_event(frame: &StreamFrame<'_>, data: &impl Serialize, schema_base: &Sc
         contenthash: &content_hash,
         previoushash: None,
         replayid: frame.replay_id,
+        changedfields: None,
+        before: None,
         data: &data_raw,
     };
     Event {
@@ -780,6 +807,40 @@ mod tests {
                 "data": {"id": 9},
             })
         );
+    }
+
+    #[test]
+    fn the_version_attributes_change_neither_the_id_nor_any_other_byte_of_the_event() {
+        let data = RawValue::from_string(r#"{"id":9,"price":2}"#.to_string()).unwrap();
+        let change = RecordChange {
+            previous_hash: Some(ContentHash([4; 16])),
+            ..change(Op::Update, &data)
+        };
+        let plain = record_event(&change);
+        assert_eq!(
+            record_event_with(&change, VersionAttributes::default()),
+            plain,
+            "no attributes: exactly the event without them"
+        );
+        let with = record_event_with(
+            &change,
+            VersionAttributes {
+                changed_fields: Some("price"),
+                before: Some(r#"{"id":9,"price":1}"#),
+            },
+        );
+        assert_eq!(with.id, plain.id, "not part of the id");
+        let mut doc: serde_json::Value = serde_json::from_slice(&with.payload).unwrap();
+        assert_eq!(doc["changedfields"], "price");
+        assert_eq!(doc["before"], r#"{"id":9,"price":1}"#);
+        let object = doc.as_object_mut().unwrap();
+        object.remove("changedfields");
+        object.remove("before");
+        let without: serde_json::Value = serde_json::from_slice(&plain.payload).unwrap();
+        assert_eq!(doc, without);
+        // Both sit before `data`, which stays last.
+        let text = String::from_utf8(with.payload.to_vec()).unwrap();
+        assert!(text.contains(r#""changedfields":"price","before":"{\"id\":9,\"price\":1}","data":{"id":9,"price":2}}"#), "{text}");
     }
 
     #[test]

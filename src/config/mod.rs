@@ -381,7 +381,7 @@ impl From<&PollConfig> for SweepSettings {
 
 /// `[events]`: what events carry beyond the change itself (docs/events.md).
 /// Every key is optional and off by default.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EventsConfig {
     /// Absolute URL the events' `dataschema` starts with (the schema's file
@@ -395,6 +395,38 @@ pub struct EventsConfig {
         skip_serializing_if = "Option::is_none"
     )]
     pub heartbeat_interval: Option<Duration>,
+    /// Every `op: update` event carries `changedfields`, the top-level keys
+    /// that changed (per-field hashes kept in the state).
+    #[serde(default = "default_changed_fields")]
+    pub changed_fields: bool,
+    /// Update and delete events carry `before`, the previous version's JSON
+    /// (kept compressed in the state).
+    #[serde(default = "default_before")]
+    pub before: bool,
+}
+
+/// `events.changed_fields` unless set: off (no per-field hashes in the state).
+pub const DEFAULT_CHANGED_FIELDS: bool = false;
+/// `events.before` unless set: off (no record bodies in the state).
+pub const DEFAULT_BEFORE: bool = false;
+
+fn default_changed_fields() -> bool {
+    DEFAULT_CHANGED_FIELDS
+}
+
+fn default_before() -> bool {
+    DEFAULT_BEFORE
+}
+
+impl Default for EventsConfig {
+    fn default() -> Self {
+        Self {
+            schema_base_url: None,
+            heartbeat_interval: None,
+            changed_fields: DEFAULT_CHANGED_FIELDS,
+            before: DEFAULT_BEFORE,
+        }
+    }
 }
 
 /// Shortest `events.heartbeat_interval`.

@@ -24,6 +24,12 @@ pub const ROUTING_ATTRIBUTES: [&str; 7] = [
     "op",
 ];
 
+/// Attributes also carried as headers when an event has them:
+/// `changedfields` (`events.changed_fields`), so a consumer can filter updates
+/// by the fields they touched without parsing the body. (`before` is not: it
+/// is a whole record; binary content mode carries it like every attribute.)
+pub const OPTIONAL_ROUTING_ATTRIBUTES: [&str; 1] = ["changedfields"];
+
 /// How a Kafka record carries an event (`sink.kafka.content_mode`), per the
 /// CloudEvents Kafka protocol binding.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -62,10 +68,12 @@ impl<'a> Attributes<'a> {
         }
     }
 
-    /// The routing attributes the event has, as (attribute, value).
+    /// The routing attributes (and optional routing attributes) the event
+    /// has, as (attribute, value).
     pub fn routing(&self) -> Vec<(&'static str, String)> {
         ROUTING_ATTRIBUTES
             .iter()
+            .chain(&OPTIONAL_ROUTING_ATTRIBUTES)
             .filter_map(|name| Some((*name, self.value(name)?)))
             .collect()
     }
@@ -115,9 +123,22 @@ mod tests {
         assert_eq!(routing["specversion"], "1.0");
         assert_eq!(routing["tenant"], "42");
         assert_eq!(routing["op"], "create");
+        assert!(!routing.contains_key("changedfields"));
         let frame = br#"{"id":"x","type":"replay.started","tenant":1,"data":{}}"#;
         let attributes = Attributes::parse(frame).unwrap();
         assert!(attributes.routing().iter().all(|(name, _)| *name != "op"));
+    }
+
+    #[test]
+    fn changed_fields_travel_as_a_routing_header_and_before_only_in_the_binary_context() {
+        let update = br#"{"id":"x","type":"voucher.updated","tenant":1,"op":"update","changedfields":"price,title","before":"{\"id\":1}","data":{"id":1}}"#;
+        let attributes = Attributes::parse(update).unwrap();
+        let routing: BTreeMap<_, _> = attributes.routing().into_iter().collect();
+        assert_eq!(routing["changedfields"], "price,title");
+        assert!(!routing.contains_key("before"));
+        let context: BTreeMap<_, _> = attributes.context().into_iter().collect();
+        assert_eq!(context["before"], r#"{"id":1}"#);
+        assert_eq!(context["changedfields"], "price,title");
     }
 
     #[test]

@@ -23,6 +23,7 @@
 
 mod page;
 mod publish;
+mod versions;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -82,15 +83,19 @@ pub struct SweepSettings {
     pub on_record_error: OnRecordError,
     /// Where the events' `dataschema` points (`events.schema_base_url`).
     pub schema_base: SchemaBase,
+    /// `events.changed_fields`: updates carry `changedfields`; field hashes are kept.
+    pub changed_fields: bool,
+    /// `events.before`: updates and deletes carry `before`; bodies are kept.
+    pub before: bool,
 }
 
 /// The `[poll]` defaults (one home: `crate::config`), and the sweep's own.
 impl Default for SweepSettings {
     fn default() -> Self {
         use crate::config::{
-            DEFAULT_FULL_RESYNC_INTERVAL, DEFAULT_IGNORE_KEYS, DEFAULT_INCLUDE_RELATIONS,
-            DEFAULT_LOOKBACK, DEFAULT_MAX_DELETE_FRACTION, DEFAULT_MAX_PAGES_FLOOR,
-            DEFAULT_POLL_INTERVAL,
+            DEFAULT_BEFORE, DEFAULT_CHANGED_FIELDS, DEFAULT_FULL_RESYNC_INTERVAL,
+            DEFAULT_IGNORE_KEYS, DEFAULT_INCLUDE_RELATIONS, DEFAULT_LOOKBACK,
+            DEFAULT_MAX_DELETE_FRACTION, DEFAULT_MAX_PAGES_FLOOR, DEFAULT_POLL_INTERVAL,
         };
         Self {
             lookback: DEFAULT_LOOKBACK,
@@ -106,6 +111,8 @@ impl Default for SweepSettings {
             full_retry_max: DEFAULT_FULL_RESYNC_INTERVAL,
             on_record_error: OnRecordError::default(),
             schema_base: SchemaBase::default(),
+            changed_fields: DEFAULT_CHANGED_FIELDS,
+            before: DEFAULT_BEFORE,
         }
     }
 }
@@ -542,6 +549,12 @@ impl SweepRun<'_> {
         };
         let changed = !page.changes.is_empty();
         let acked = if changed {
+            let versions = versions::page_versions(
+                &sweeper.settings,
+                sweeper.store.as_ref(),
+                stream,
+                &page.changes,
+            )?;
             let intents: Vec<(i64, Intent)> = page
                 .changes
                 .iter()
@@ -555,14 +568,18 @@ impl SweepRun<'_> {
             let events: Vec<Event> = page
                 .changes
                 .iter()
-                .map(|c| c.event(stream, detected_at, &sweeper.settings.schema_base))
+                .enumerate()
+                .map(|(i, c)| {
+                    let schema_base = &sweeper.settings.schema_base;
+                    c.event(stream, detected_at, schema_base, versions.attributes(i))
+                })
                 .collect();
             let deliveries = self.publish_changes(&events).await?;
             crashpoint::hit(crashpoint::names::AFTER_PUBLISH);
             let ops: Vec<Op> = page.changes.iter().map(|c| c.change.op).collect();
             self.count_deliveries(&ops, &events, &deliveries);
             let commits = page.changes.iter().map(|c| c.commit(epoch)).collect();
-            Acked::page(commits, deliveries, seen, epoch)?
+            Acked::page(commits, deliveries, seen, epoch)?.with_versions(versions.stored)
         } else {
             Acked::seen_only(seen, epoch)
         };
@@ -657,16 +674,20 @@ impl SweepRun<'_> {
             }
             let detected_at = Utc::now();
             let intents: Vec<(i64, Intent)> = gone.iter().map(|d| (d.id, d.intent())).collect();
+            let befores =
+                versions::delete_befores(&sweeper.settings, sweeper.store.as_ref(), stream, &gone)?;
             sweeper.store.write_intents(stream, &intents)?;
             crashpoint::hit(crashpoint::names::AFTER_DELETE_INTENTS);
             let events: Vec<Event> = gone
                 .iter()
-                .map(|d| {
+                .zip(&befores)
+                .map(|(d, before)| {
                     d.event(
                         stream,
                         detected_at,
                         &sweeper.settings.ignore_keys,
                         &sweeper.settings.schema_base,
+                        before.as_deref(),
                     )
                 })
                 .collect::<Result<_, _>>()?;

@@ -16,7 +16,9 @@ use serde_json::value::RawValue;
 
 use super::SweepError;
 use crate::diff::{plan_change, Change, Known};
-use crate::event::{self, format_micros, updated_at_micros, Event, Op, RecordChange};
+use crate::event::{
+    self, format_micros, updated_at_micros, Event, Op, RecordChange, VersionAttributes,
+};
 use crate::hash::{content_hash, ContentHash, IgnoreKeys};
 use crate::schema::SchemaBase;
 use crate::state::{Intent, RecordState, SweepPlan, Tombstone};
@@ -86,14 +88,15 @@ impl PendingChange<'_> {
         }
     }
 
-    /// The event downstream gets.
+    /// The event downstream gets, with what it says about the previous version.
     pub fn event(
         &self,
         stream: StreamKey,
         detected_at: DateTime<Utc>,
         schema_base: &SchemaBase,
+        version: VersionAttributes<'_>,
     ) -> Event {
-        event::record_event(&RecordChange {
+        let change = RecordChange {
             stream,
             record_id: self.record.id,
             generation: self.change.generation,
@@ -106,7 +109,8 @@ impl PendingChange<'_> {
             data: &self.record.raw,
             detected_at,
             schema_base,
-        })
+        };
+        event::record_event_with(&change, version)
     }
 
     /// The committed state once the event is acknowledged.
@@ -238,13 +242,20 @@ impl Doomed {
         }
     }
 
-    /// The `*.deleted` event: `data` is `{"id":N}`, `previoushash` the last hash.
+    /// The content hash of the last version possibly published (the delete's `previoushash`).
+    pub fn last_hash(&self) -> ContentHash {
+        self.last_hash
+    }
+
+    /// The `*.deleted` event: `data` is `{"id":N}`, `previoushash` the last
+    /// hash, `before` (`events.before`) that version's JSON when known.
     pub fn event(
         &self,
         stream: StreamKey,
         detected_at: DateTime<Utc>,
         ignore: &IgnoreKeys,
         schema_base: &SchemaBase,
+        before: Option<&str>,
     ) -> Result<Event, SweepError> {
         let data = delete_data(self.id);
         let hash = content_hash(data.get(), ignore).map_err(|source| SweepError::Hash {
@@ -252,20 +263,27 @@ impl Doomed {
             source,
         })?;
         let updated_at = self.updated_at.and_then(format_micros);
-        Ok(event::record_event(&RecordChange {
-            stream,
-            record_id: self.id,
-            generation: self.generation,
-            seq: self.seq,
-            op: Op::Delete,
-            updated_at: updated_at.as_deref(),
-            content_hash: hash,
-            previous_hash: Some(self.last_hash),
-            replay: self.replay,
-            data: &data,
-            detected_at,
-            schema_base,
-        }))
+        let version = VersionAttributes {
+            changed_fields: None,
+            before,
+        };
+        Ok(event::record_event_with(
+            &RecordChange {
+                stream,
+                record_id: self.id,
+                generation: self.generation,
+                seq: self.seq,
+                op: Op::Delete,
+                updated_at: updated_at.as_deref(),
+                content_hash: hash,
+                previous_hash: Some(self.last_hash),
+                replay: self.replay,
+                data: &data,
+                detected_at,
+                schema_base,
+            },
+            version,
+        ))
     }
 
     /// The tombstone: the next incarnation of this id starts a new generation.
