@@ -8,7 +8,7 @@
 //! The dump: a header line `{"kind":"header","format":"voucher-cdc-state",
 //! "version":1,...}`, then per stream a `stream` line (its lifecycle state:
 //! watermark, epochs, replay, pause, errors) followed by its `record`,
-//! `tombstone`, `intent` and `dead_letter` lines, in id order. docs/state.md
+//! `tombstone`, `intent`, `dead_letter` and `version` lines, in id order. docs/state.md
 //! describes every field. These run on a store no daemon holds: the daemon
 //! writes the store all the time, so a dump taken under it would not be one
 //! moment's state.
@@ -20,15 +20,20 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 use super::ControlError;
+use crate::hash::{ContentHash, FieldHash, FieldHashes};
 use crate::state::{
-    DeadLetter, Intent, RecordState, SledStore, StateStore, StreamDump, StreamState, Tombstone,
+    DeadLetter, Intent, RecordState, SledStore, StateStore, StoredVersion, StreamDump, StreamState,
+    Tombstone,
 };
 use crate::stream::{Resource, StreamKey, TenantId};
 
 /// The `format` of the header line.
 pub const FORMAT: &str = "voucher-cdc-state";
-/// The dump format version this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+/// The dump format version this build writes. Version 2 added `version`
+/// lines (stored versions, layout 3); version 1 dumps read as before.
+pub const FORMAT_VERSION: u32 = 2;
+/// The oldest dump format version this build reads.
+const OLDEST_FORMAT_VERSION: u32 = 1;
 
 /// One line of a dump.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -76,6 +81,61 @@ enum Line {
         id: i64,
         dead_letter: DeadLetter,
     },
+    /// A record's stored version (`events.changed_fields`, `events.before`).
+    Version {
+        tenant: TenantId,
+        resource: Resource,
+        id: i64,
+        version: VersionLine,
+    },
+}
+
+/// A stored version as a dump writes it: field hashes by key name (16 hex
+/// digits each) and the body as text, independent of the store's encoding.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct VersionLine {
+    hash: ContentHash,
+    fields: Option<BTreeMap<String, String>>,
+    body: Option<String>,
+}
+
+impl VersionLine {
+    fn of(version: &StoredVersion) -> Self {
+        Self {
+            hash: version.hash,
+            fields: version
+                .fields
+                .as_ref()
+                .map(|f| f.named().map(|(name, h)| (name, hex::encode(h))).collect()),
+            body: version.body.clone(),
+        }
+    }
+
+    fn stored(self) -> Result<StoredVersion, String> {
+        let fields = match self.fields {
+            None => None,
+            Some(named) => {
+                let mut parsed = Vec::with_capacity(named.len());
+                for (name, text) in named {
+                    let mut hash: FieldHash = [0; 8];
+                    hex::decode_to_slice(&text, &mut hash).map_err(|e| {
+                        format!("field hash `{text}` of `{name}` is not 16 hex digits: {e}")
+                    })?;
+                    parsed.push((name, hash));
+                }
+                Some(
+                    FieldHashes::from_named(parsed)
+                        .ok_or("two field names with the same canonical form")?,
+                )
+            }
+        };
+        Ok(StoredVersion {
+            hash: self.hash,
+            fields,
+            body: self.body,
+        })
+    }
 }
 
 /// What moved for one stream.
@@ -203,6 +263,14 @@ pub fn export(
                 dead_letter: dead_letter.clone(),
             })?;
         }
+        for (id, version) in &dump.versions {
+            write(&Line::Version {
+                tenant,
+                resource,
+                id: *id,
+                version: VersionLine::of(version),
+            })?;
+        }
         counts.push(StreamCounts::of(key, &dump));
     }
     out.flush()
@@ -235,9 +303,9 @@ fn read_dump(input: &mut dyn BufRead) -> Result<BTreeMap<StreamKey, StreamDump>,
             if format != FORMAT {
                 return Err(bad(format!("format `{format}` is not {FORMAT}")));
             }
-            if *version != FORMAT_VERSION {
+            if !(OLDEST_FORMAT_VERSION..=FORMAT_VERSION).contains(version) {
                 return Err(bad(format!(
-                    "export format version {version}; this build reads version {FORMAT_VERSION} (use the voucher-cdc that wrote it, or a newer one)"
+                    "export format version {version}; this build reads versions {OLDEST_FORMAT_VERSION} to {FORMAT_VERSION} (use the voucher-cdc that wrote it, or a newer one)"
                 )));
             }
             header = true;
@@ -294,6 +362,17 @@ fn read_dump(input: &mut dyn BufRead) -> Result<BTreeMap<StreamKey, StreamDump>,
             } => dump_of(&mut streams, tenant, resource, number)?
                 .dead_letters
                 .push((id, dead_letter)),
+            Line::Version {
+                tenant,
+                resource,
+                id,
+                version,
+            } => {
+                let version = version.stored().map_err(bad)?;
+                dump_of(&mut streams, tenant, resource, number)?
+                    .versions
+                    .push((id, version));
+            }
         }
     }
     if !header {
@@ -415,7 +494,7 @@ mod tests {
         let counts = export(&a, Some(4), None, &mut dump).unwrap();
         assert_eq!(counts.len(), 1, "only tenant 4");
         let text = String::from_utf8(dump.clone()).unwrap();
-        assert!(text.starts_with(r#"{"kind":"header","format":"voucher-cdc-state","version":1"#));
+        assert!(text.starts_with(r#"{"kind":"header","format":"voucher-cdc-state","version":2"#));
 
         let b = SledStore::open_temporary().unwrap();
         import(&b, &mut dump.as_slice(), false).unwrap();
@@ -445,8 +524,8 @@ mod tests {
         let cases = [
             ("{\"a\":1}\n", "line 1: not a line of a voucher-cdc state export"),
             (
-                "{\"kind\":\"header\",\"format\":\"voucher-cdc-state\",\"version\":2,\"exported_at\":\"2024-05-01T00:00:00Z\",\"created_by\":\"x\",\"streams\":0}\n",
-                "line 1: export format version 2; this build reads version 1",
+                "{\"kind\":\"header\",\"format\":\"voucher-cdc-state\",\"version\":3,\"exported_at\":\"2024-05-01T00:00:00Z\",\"created_by\":\"x\",\"streams\":0}\n",
+                "line 1: export format version 3; this build reads versions 1 to 2",
             ),
             (
                 "{\"kind\":\"header\",\"format\":\"voucher-cdc-state\",\"version\":1,\"exported_at\":\"2024-05-01T00:00:00Z\",\"created_by\":\"x\",\"streams\":1}\n\
