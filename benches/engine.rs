@@ -6,11 +6,14 @@
 //! cargo bench --bench engine                 # criterion: hash, page commit, scans
 //! cargo bench --bench engine -- --footprint  # disk bytes per record and RSS
 //! cargo bench --bench engine -- --footprint 1000000,3000000
+//! cargo bench --bench engine -- --footprint 100000 --versions fields   # events.changed_fields
+//! cargo bench --bench engine -- --footprint 100000 --versions both     # fields, before, both
 //! cargo bench --bench engine -- --cpu        # records per CPU-second (shared machines)
 //! cargo bench --bench engine -- --durability # wall-clock cost of the fsynced intents per page
 //! ```
 
 use std::path::Path;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput};
@@ -19,14 +22,44 @@ use rand::{Rng, SeedableRng};
 use serde_json::json;
 
 use voucher_cdc::diff::{decide, Decision, SweepMode};
-use voucher_cdc::hash::{content_hash, IgnoreKeys};
-use voucher_cdc::state::{Acked, Delivery, Intent, PageCommit, RecordState, SledStore, StateStore};
+use voucher_cdc::hash::{content_hash, content_hash_with_fields, IgnoreKeys};
+use voucher_cdc::state::{
+    Acked, Delivery, Intent, PageCommit, RecordState, SledStore, StateStore, StoredVersion,
+};
 use voucher_cdc::stream::{Resource, StreamKey};
 
 const STREAM: StreamKey = StreamKey {
     tenant: 42,
     resource: Resource::Vouchers,
 };
+/// `--versions fields|before|both`: what the commits store beside the hashes
+/// (`events.changed_fields`, `events.before`); neither unless given.
+static VERSIONS: OnceLock<(bool, bool)> = OnceLock::new();
+
+/// The stored version of a committed record, as the sweep builds it under `--versions`.
+fn stored_version(
+    text: &str,
+    hash: voucher_cdc::hash::ContentHash,
+    ignore: &IgnoreKeys,
+) -> Option<StoredVersion> {
+    let (fields, before) = *VERSIONS.get().unwrap_or(&(false, false));
+    if !fields && !before {
+        return None;
+    }
+    let field_hashes = if fields {
+        content_hash_with_fields(text, ignore)
+            .expect("generated json is valid")
+            .1
+    } else {
+        None
+    };
+    Some(StoredVersion {
+        hash,
+        fields: field_hashes,
+        body: before.then(|| text.to_string()),
+    })
+}
+
 /// The upstream page size (fixed by the API).
 const PAGE: usize = 50;
 /// Distinct record bodies generated; ids beyond reuse them with another id.
@@ -117,11 +150,13 @@ fn plan_page(
     let known = store.get_records(STREAM, ids).expect("get_records");
     let mut intents = Vec::new();
     let mut commits = Vec::new();
+    let mut versions = Vec::new();
     let mut seen = Vec::new();
-    for ((id, hash), known) in ids.iter().zip(&hashes).zip(&known) {
+    for (((id, hash), known), text) in ids.iter().zip(&hashes).zip(&known).zip(texts) {
         match decide(known.map(|k| k.hash), *hash, mode) {
             Decision::Unchanged => seen.push(*id),
             Decision::Emit { .. } => {
+                versions.extend(stored_version(text, *hash, ignore).map(|v| (*id, v)));
                 let updated_at = Some(1_714_557_600_000_000);
                 let generation = known.map_or(0, |k| k.generation);
                 intents.push((
@@ -155,7 +190,9 @@ fn plan_page(
         intents,
         // The sweep commits only once every event is acknowledged; here the
         // publish is left out, so every event counts as acknowledged.
-        acked: Acked::page(commits, acks, seen, epoch).expect("one ack per change"),
+        acked: Acked::page(commits, acks, seen, epoch)
+            .expect("one ack per change")
+            .with_versions(versions),
         emitted,
     }
 }
@@ -350,8 +387,15 @@ fn footprint(sizes: &[usize]) {
     println!("          | (wall)    | (wall)    | synced     | swept      | synced    | swept     | so far    | reopened  | at end");
     let exe = std::env::current_exe().expect("current_exe");
     for n in sizes {
+        let (fields, before) = *VERSIONS.get().unwrap_or(&(false, false));
+        let versions = match (fields, before) {
+            (false, false) => "none",
+            (true, false) => "fields",
+            (false, true) => "before",
+            (true, true) => "both",
+        };
         let status = std::process::Command::new(&exe)
-            .args(["--footprint-child", &n.to_string()])
+            .args(["--footprint-child", &n.to_string(), "--versions", versions])
             .status()
             .expect("spawn footprint child");
         assert!(status.success(), "footprint child for {n} failed");
@@ -496,6 +540,16 @@ fn durability(n: usize) {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if let Some(pos) = args.iter().position(|a| a == "--versions") {
+        let mode = match args.get(pos + 1).map(String::as_str) {
+            Some("none") => (false, false),
+            Some("fields") => (true, false),
+            Some("before") => (false, true),
+            Some("both") => (true, true),
+            other => panic!("--versions none|fields|before|both, not {other:?}"),
+        };
+        VERSIONS.get_or_init(|| mode);
+    }
     if args.iter().any(|a| a == "--durability") {
         durability(20_000);
         return;

@@ -70,23 +70,33 @@ fn the_change_sequence_alone_changes_the_id() {
     assert_ne!(event_id(&parts(3)), event_id(&parts(4)));
 }
 
+/// A change of voucher 123 of tenant 42 (generation 0, sequence 0, previous
+/// hash `0011…eeff`) carrying `data`.
+fn record_123(op: Op, data: &RawValue) -> RecordChange<'_> {
+    RecordChange {
+        stream: StreamKey::new(42, Resource::Vouchers),
+        record_id: 123,
+        generation: 0,
+        seq: 0,
+        op,
+        updated_at: Some("2024-05-01T10:00:00.000000Z"),
+        content_hash: content_hash(data.get(), &IgnoreKeys::new(["updated_at"])).unwrap(),
+        previous_hash: Some("00112233445566778899aabbccddeeff".parse().unwrap()),
+        replay: None,
+        data,
+        detected_at: Utc.with_ymd_and_hms(2024, 5, 2, 0, 0, 0).unwrap(),
+        schema_base: &DEFAULT_SCHEMA_BASE,
+    }
+}
+
 #[test]
 fn a_delete_event_and_replay_frames_have_pinned_ids() {
     let stream = StreamKey::new(42, Resource::Vouchers);
     let data = RawValue::from_string(r#"{"id":123}"#.to_string()).unwrap();
     let delete = record_event(&RecordChange {
-        stream,
-        record_id: 123,
         generation: 2,
         seq: 7,
-        op: Op::Delete,
-        updated_at: Some("2024-05-01T10:00:00.000000Z"),
-        content_hash: content_hash(data.get(), &IgnoreKeys::new(["updated_at"])).unwrap(),
-        previous_hash: Some("00112233445566778899aabbccddeeff".parse().unwrap()),
-        replay: None,
-        data: &data,
-        detected_at: Utc.with_ymd_and_hms(2024, 5, 2, 0, 0, 0).unwrap(),
-        schema_base: &DEFAULT_SCHEMA_BASE,
+        ..record_123(Op::Delete, &data)
     });
     assert_eq!(delete.id, "46be4dd44e4957431709576ea859ac30");
     let now = Utc.with_ymd_and_hms(2024, 5, 2, 0, 0, 0).unwrap();
@@ -146,4 +156,28 @@ fn content_hashes_of_tricky_records_are_pinned() {
             "{raw}"
         );
     }
+}
+
+#[test]
+fn with_changed_fields_and_before_off_a_record_events_bytes_are_pinned() {
+    let data = RawValue::from_string(
+        r#"{"id":123,"price":25.0,"updated_at":"2024-05-01T10:00:00.000000Z"}"#.to_string(),
+    )
+    .unwrap();
+    let update = record_event(&RecordChange {
+        seq: 3,
+        ..record_123(Op::Update, &data)
+    });
+    assert_eq!(
+        String::from_utf8(update.payload.to_vec()).unwrap(),
+        concat!(
+            r#"{"specversion":"1.0","id":"0129855973176b7ca4b76422234ef7b3","#,
+            r#""source":"/tenants/42/catalog/vouchers","type":"voucher.updated","subject":"123","#,
+            r#""time":"2024-05-01T10:00:00.000000Z","datacontenttype":"application/json","#,
+            r#""dataschema":"http://127.0.0.1:9464/v1/schemas/voucher.schema.json","#,
+            r#""partitionkey":"42:voucher:123","tenant":42,"op":"update","#,
+            r#""contenthash":"92d6f33f3f2924161046e1589d1a5861","previoushash":"00112233445566778899aabbccddeeff","#,
+            r#""data":{"id":123,"price":25.0,"updated_at":"2024-05-01T10:00:00.000000Z"}}"#,
+        )
+    );
 }

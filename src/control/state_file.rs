@@ -469,8 +469,18 @@ mod tests {
         let other = StreamKey::new(5, Resource::Vouchers);
         let page: Vec<(i64, RecordState)> = vec![(-3, record(1)), (7, record(2)), (40, record(3))];
         let acks = vec![Delivery::Acknowledged; page.len()];
-        a.commit_page(key, &Acked::page(page, acks, vec![], 3).unwrap())
-            .unwrap();
+        let body = r#"{"id":7,"a\"b":[1,2],"t":"x"}"#;
+        let (_, fields) =
+            crate::hash::content_hash_with_fields(body, &crate::hash::IgnoreKeys::none()).unwrap();
+        let version = StoredVersion {
+            hash: record(2).hash,
+            fields,
+            body: Some(body.to_string()),
+        };
+        let acked = Acked::page(page, acks, vec![], 3)
+            .unwrap()
+            .with_versions(vec![(7, version.clone())]);
+        a.commit_page(key, &acked).unwrap();
         let intent = Intent {
             hash: ContentHash([9; 16]),
             updated_at: None,
@@ -501,6 +511,8 @@ mod tests {
         assert_eq!(b.dump_stream(key).unwrap(), a.dump_stream(key).unwrap());
         assert_eq!(b.record_count(key).unwrap(), 3);
         assert_eq!(b.pending_intents(key).unwrap(), vec![(7, intent)]);
+        assert_eq!(b.get_versions(key, &[7]).unwrap(), vec![Some(version)]);
+        assert!(text.contains(r#"{"kind":"version","tenant":4,"resource":"vouchers","id":7,"#));
         assert!(!b.holds(other).unwrap());
 
         let refused = import(&b, &mut dump.as_slice(), false).unwrap_err();
