@@ -681,7 +681,7 @@ async fn state_export_import_and_reset_move_a_tenant_between_stores_and_refuse_a
     );
     let header: Value = serde_json::from_str(dump.lines().next().unwrap()).unwrap();
     assert_eq!(header["format"], "voucher-cdc-state");
-    assert_eq!(header["version"], 1);
+    assert_eq!(header["version"], 2);
     assert_eq!(dump.lines().count(), 1 + 2 + 25);
     let file = dir.path().join("tenant-1.jsonl");
     std::fs::write(&file, &dump).unwrap();
