@@ -20,7 +20,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::pki::pki;
+use common::pki::{expired_pki, pki};
 use common::sweeps::SweeperBuilder;
 use tokio_util::sync::CancellationToken;
 use voucher_cdc::event::Op;
@@ -254,6 +254,36 @@ async fn a_wrong_ca_is_one_fatal_line_naming_the_certificate_and_the_sweep_commi
     );
     // Every record once: nothing went out through the refused connection.
     assert_eq!(records.len() as u64, known);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_broker_certificate_is_one_fatal_line_and_the_probe_names_it_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let expired = expired_pki(dir.path(), "kafka");
+    let Some(proxy) = secure_tansu(&expired.cert, &expired.key, None).await else {
+        return;
+    };
+    let config = config(&proxy, &tls(&expired.ca));
+    let error = publish_refused(&config).await;
+    names_the_refused_certificate(
+        &error,
+        &format!(
+            "kafka: delivery to topic `{TOPIC}` (brokers `{}`) failed:",
+            proxy.bootstrap()
+        ),
+    );
+    // `check-config --probe` connects the same way and says the same.
+    let probe = voucher_cdc::sinks::kafka::probe(&config, Duration::from_secs(3))
+        .await
+        .unwrap_err()
+        .to_string();
+    names_the_refused_certificate(
+        &probe,
+        &format!(
+            "kafka (brokers `{}`): metadata request failed:",
+            proxy.bootstrap()
+        ),
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

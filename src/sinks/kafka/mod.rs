@@ -61,6 +61,14 @@ pub enum KafkaSinkError {
         /// What librdkafka said.
         reason: String,
     },
+    /// The brokers did not answer a metadata request (`check-config --probe`).
+    #[error("kafka (brokers `{brokers}`): metadata request failed: {reason}")]
+    Metadata {
+        /// The configured brokers.
+        brokers: String,
+        /// What librdkafka said, and the connection error behind it.
+        reason: String,
+    },
     /// `create_topics` could not create a topic.
     #[error("kafka (brokers `{brokers}`): cannot create topic `{topic}`: {reason}")]
     CreateTopic {
@@ -460,14 +468,21 @@ pub async fn probe(config: &KafkaSinkConfig, timeout: Duration) -> Result<String
         .create_with_context(SinkContext::new(errors.clone(), &config.brokers))
         .map_err(|e| client_error(&config, &e))?;
     let brokers = config.brokers.clone();
+    let errors_seen = errors.clone();
     let metadata = tokio::task::spawn_blocking(move || {
         let metadata = client
             .client()
             .fetch_metadata(None, timeout)
             .map(|m| (m.brokers().len(), m.topics().len()));
         // A base producer runs its callbacks (the error callback that
-        // records the cause) only when polled.
-        client.poll(Duration::ZERO);
+        // records the cause) only when polled; the error may be queued
+        // just after the request failed.
+        if metadata.is_err() {
+            let until = Instant::now() + Duration::from_secs(1);
+            while errors_seen.latest().is_none() && Instant::now() < until {
+                client.poll(Duration::from_millis(50));
+            }
+        }
         metadata
     })
     .await;
@@ -475,13 +490,13 @@ pub async fn probe(config: &KafkaSinkConfig, timeout: Duration) -> Result<String
         Ok(Ok((broker_count, topics))) => Ok(format!(
             "metadata from `{brokers}`: {broker_count} broker(s), {topics} topic(s)"
         )),
-        Ok(Err(e)) => Err(KafkaSinkError::Client {
+        Ok(Err(e)) => Err(KafkaSinkError::Metadata {
             brokers,
-            reason: format!("metadata request failed: {e}{}", cause_suffix(&errors)),
+            reason: format!("{e}{}", cause_suffix(&errors)),
         }),
-        Err(e) => Err(KafkaSinkError::Client {
+        Err(e) => Err(KafkaSinkError::Metadata {
             brokers,
-            reason: format!("metadata request did not finish: {e}"),
+            reason: format!("did not finish: {e}"),
         }),
     }
 }
