@@ -7,8 +7,9 @@
 #     -v voucher-cdc-state:/var/lib/voucher-cdc voucher-cdc:local
 #
 # The builder compiles librdkafka from the source bundled in rdkafka-sys
-# (./configure + make, no cmake, no OpenSSL: TLS to the upstream API is
-# rustls). The runtime image is debian:bookworm-slim with ca-certificates and
+# (./configure + make, no cmake) against the system OpenSSL (libssl-dev), for
+# Kafka TLS and SASL SCRAM; TLS to the upstream API and NATS is rustls. The
+# runtime image is debian:bookworm-slim with libssl3, ca-certificates and
 # tini; the binary runs as an unprivileged user and keeps its state under the
 # volume /var/lib/voucher-cdc. See docs/deployment.md.
 
@@ -17,9 +18,10 @@ ARG DEBIAN_RELEASE=bookworm
 
 FROM rust:${RUST_VERSION}-${DEBIAN_RELEASE} AS builder
 # gcc, g++, make and perl come with the rust image; librdkafka's build also
-# wants python3 (its Makefile reads the version with it) and zlib headers.
+# wants python3 (its Makefile reads the version with it), zlib headers and
+# the OpenSSL headers (rdkafka feature `ssl`, found through pkg-config).
 RUN apt-get update \
- && apt-get install -y --no-install-recommends make gcc g++ perl python3 zlib1g-dev pkg-config \
+ && apt-get install -y --no-install-recommends make gcc g++ perl python3 zlib1g-dev libssl-dev pkg-config \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
@@ -35,7 +37,7 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
 
 FROM debian:${DEBIAN_RELEASE}-slim AS runtime
 RUN apt-get update \
- && apt-get install -y --no-install-recommends ca-certificates tini \
+ && apt-get install -y --no-install-recommends ca-certificates libssl3 tini \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 voucher-cdc \
  && useradd --system --uid 10001 --gid voucher-cdc --home-dir /var/lib/voucher-cdc \

@@ -15,7 +15,7 @@ log() { printf '==> %s\n' "$*"; }
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
-# System packages: a C toolchain for librdkafka's bundled build, nats-server
+# System packages: a C toolchain and OpenSSL headers for librdkafka's bundled build, nats-server
 # for the NATS tests, python3 for the deployment checks.
 missing=()
 command -v cc >/dev/null || missing+=(build-essential)
@@ -24,6 +24,8 @@ command -v perl >/dev/null || missing+=(perl)
 command -v python3 >/dev/null || missing+=(python3)
 command -v nats-server >/dev/null || missing+=(nats-server)
 command -v pkg-config >/dev/null || missing+=(pkg-config)
+# librdkafka links the system OpenSSL (rdkafka feature `ssl`: Kafka TLS, SCRAM).
+pkg-config --exists openssl 2>/dev/null || missing+=(libssl-dev)
 # `docker compose config` validates the compose file; Debian ships the
 # standalone docker-compose when the compose plugin is absent.
 if ! docker compose version >/dev/null 2>&1 && ! command -v docker-compose >/dev/null; then

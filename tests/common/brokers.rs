@@ -274,6 +274,13 @@ pub struct TansuBroker {
 /// Starts tansu on a free port with memory storage; `None` when the binary
 /// is missing outside CI (env `TANSU_BIN`, else the install script's cache path).
 pub fn spawn_tansu() -> Option<TansuBroker> {
+    spawn_tansu_advertising(None)
+}
+
+/// Like [`spawn_tansu`], but the broker tells clients (in its metadata) to
+/// connect to `127.0.0.1:<advertised>` instead of its own port: a proxy in
+/// front of it (TLS, SASL) then sees every connection.
+pub fn spawn_tansu_advertising(advertised: Option<u16>) -> Option<TansuBroker> {
     let configured = std::env::var_os("TANSU_BIN").map(PathBuf::from);
     let binary = require_binary(
         "tansu",
@@ -285,11 +292,12 @@ pub fn spawn_tansu() -> Option<TansuBroker> {
     let log = dir.path().join("tansu.log");
     let (stdout, stderr) = log_file(&log);
     let url = format!("tcp://127.0.0.1:{port}");
+    let advertised_url = format!("tcp://127.0.0.1:{}", advertised.unwrap_or(port));
     let mut child = Command::new(binary)
         .arg("broker")
         .args(["--cluster-id", "voucher-cdc-test"])
         .args(["--listener-url", &url])
-        .args(["--advertised-listener-url", &url])
+        .args(["--advertised-listener-url", &advertised_url])
         .args(["--storage-engine", "memory://tansu/"])
         .env_remove("LISTENER_URL")
         .env_remove("ADVERTISED_LISTENER_URL")
@@ -307,6 +315,11 @@ impl TansuBroker {
     /// The bootstrap address, e.g. `127.0.0.1:41234`.
     pub fn bootstrap(&self) -> String {
         format!("127.0.0.1:{}", self.port)
+    }
+
+    /// The port the broker listens on.
+    pub fn port(&self) -> u16 {
+        self.port
     }
 
     /// The broker's log.
@@ -348,13 +361,28 @@ pub fn consume_all(
     expected: usize,
     timeout: Duration,
 ) -> Vec<Consumed> {
-    let consumer: BaseConsumer = ClientConfig::new()
+    consume_all_with(bootstrap, &[], topics, partitions, expected, timeout)
+}
+
+/// Like [`consume_all`], with extra librdkafka `properties` (TLS, SASL).
+pub fn consume_all_with(
+    bootstrap: &str,
+    properties: &[(&str, &str)],
+    topics: &[&str],
+    partitions: i32,
+    expected: usize,
+    timeout: Duration,
+) -> Vec<Consumed> {
+    let mut config = ClientConfig::new();
+    config
         .set("bootstrap.servers", bootstrap)
         .set("group.id", "voucher-cdc-test-reader")
         .set("enable.auto.commit", "false")
-        .set("auto.offset.reset", "earliest")
-        .create()
-        .unwrap();
+        .set("auto.offset.reset", "earliest");
+    for (key, value) in properties {
+        config.set(*key, *value);
+    }
+    let consumer: BaseConsumer = config.create().unwrap();
     let mut assignment = TopicPartitionList::new();
     for topic in topics {
         for partition in 0..partitions {

@@ -62,6 +62,24 @@ pub fn classify(code: RDKafkaErrorCode) -> Failure {
     }
 }
 
+/// True for delivery failures that only say the brokers could not be
+/// reached in time: the connection error reported meanwhile (a refused
+/// certificate or password, see [`super::context`]) is the real cause.
+pub fn is_connection_symptom(code: RDKafkaErrorCode) -> bool {
+    use RDKafkaErrorCode as C;
+    matches!(
+        code,
+        C::MessageTimedOut
+            | C::OperationTimedOut
+            | C::RequestTimedOut
+            | C::BrokerTransportFailure
+            | C::AllBrokersDown
+            | C::NetworkException
+            | C::SSL
+            | C::Authentication
+    )
+}
+
 /// A hint appended to the error text for codes an operator can act on.
 pub fn hint(code: RDKafkaErrorCode) -> Option<&'static str> {
     use RDKafkaErrorCode as C;

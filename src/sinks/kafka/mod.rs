@@ -9,13 +9,14 @@
 
 pub mod classify;
 pub mod config;
+pub mod context;
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
@@ -24,6 +25,7 @@ use rdkafka::types::RDKafkaErrorCode;
 
 pub use self::classify::Failure;
 pub use self::config::{KafkaConfigError, KafkaSinkConfig, TopicTemplate};
+use self::context::{BrokerErrors, SinkContext};
 use crate::event::{Event, EventType};
 use crate::sinks::binding::{kafka_header, Attributes, ContentMode};
 use crate::sinks::metrics::record_sink_up;
@@ -59,6 +61,14 @@ pub enum KafkaSinkError {
         /// What librdkafka said.
         reason: String,
     },
+    /// The brokers did not answer a metadata request (`check-config --probe`).
+    #[error("kafka (brokers `{brokers}`): metadata request failed: {reason}")]
+    Metadata {
+        /// The configured brokers.
+        brokers: String,
+        /// What librdkafka said, and the connection error behind it.
+        reason: String,
+    },
     /// `create_topics` could not create a topic.
     #[error("kafka (brokers `{brokers}`): cannot create topic `{topic}`: {reason}")]
     CreateTopic {
@@ -81,9 +91,13 @@ struct Queued {
 /// Publishes events to Kafka topics.
 pub struct KafkaSink {
     /// The current producer; replaced when librdkafka reports a fatal error.
-    producer: std::sync::RwLock<FutureProducer>,
+    producer: std::sync::RwLock<FutureProducer<SinkContext>>,
     /// Settings a replacement producer is created from.
     client_config: ClientConfig,
+    /// The context of every client, recording connection errors into `errors`.
+    context: SinkContext,
+    /// The latest connection error (TLS, SASL, transport) since the last delivery.
+    errors: Arc<BrokerErrors>,
     template: TopicTemplate,
     tombstones: bool,
     message_timeout: Duration,
@@ -116,19 +130,23 @@ impl KafkaSink {
         let template = config.validate()?;
         let config = &config.with_secrets_read()?;
         let client_config = client_config(config);
-        let producer: FutureProducer = client_config
-            .create()
+        let errors = Arc::new(BrokerErrors::default());
+        let context = SinkContext::new(errors.clone(), &config.brokers);
+        let producer: FutureProducer<SinkContext> = client_config
+            .create_with_context(context.clone())
             .map_err(|e| client_error(config, &e))?;
         if config.create_topics {
             let mut topics: BTreeSet<String> =
                 topics_for.iter().map(|s| template.render(*s)).collect();
             topics.insert(config.dead_letter_topic.clone());
-            create_topics(config, &client_config, &topics).await?;
+            create_topics(config, &client_config, &context, &topics).await?;
         }
         record_sink_up(SINK, true);
         Ok(Self {
             producer: std::sync::RwLock::new(producer),
             client_config,
+            context,
+            errors,
             template,
             tombstones: config.tombstones,
             message_timeout: config.message_timeout,
@@ -140,7 +158,7 @@ impl KafkaSink {
     }
 
     /// The current producer (a cheap handle).
-    fn producer(&self) -> FutureProducer {
+    fn producer(&self) -> FutureProducer<SinkContext> {
         match self.producer.read() {
             Ok(guard) => guard.clone(),
             Err(poisoned) => poisoned.into_inner().clone(),
@@ -158,7 +176,10 @@ impl KafkaSink {
         };
         tracing::error!(sink = SINK, brokers = %self.brokers, error = %code, reason = %reason,
             "kafka producer hit a fatal error; replacing it");
-        match self.client_config.create::<FutureProducer>() {
+        match self
+            .client_config
+            .create_with_context::<_, FutureProducer<SinkContext>>(self.context.clone())
+        {
             Ok(fresh) => {
                 let mut guard = match self.producer.write() {
                     Ok(guard) => guard,
@@ -193,7 +214,7 @@ impl KafkaSink {
     /// Queues one record, waiting while the local queue is full.
     async fn enqueue(
         &self,
-        producer: &FutureProducer,
+        producer: &FutureProducer<SinkContext>,
         mut record: FutureRecord<'_, [u8], [u8]>,
     ) -> Result<DeliveryFuture, SinkError> {
         let deadline = Instant::now() + self.message_timeout;
@@ -212,7 +233,7 @@ impl KafkaSink {
     }
 
     /// Queues an event (and its tombstone).
-    async fn enqueue_event(&self, producer: &FutureProducer, event: &Event) -> Queued {
+    async fn enqueue_event(&self, producer: &FutureProducer<SinkContext>, event: &Event) -> Queued {
         let topic = if event.ty == EventType::DeadLetter {
             self.dead_letter_topic.clone()
         } else {
@@ -293,6 +314,24 @@ impl KafkaSink {
                 self.brokers
             ));
         };
+        // A delivery that timed out or lost its broker names no cause; the
+        // connection error librdkafka reported meanwhile does. A refused
+        // certificate or password is for an operator to fix: fatal.
+        let cause = Some(code)
+            .filter(|code| classify::is_connection_symptom(*code))
+            .and_then(|_| self.errors.latest());
+        if let Some(cause) = cause {
+            let message = format!(
+                "kafka: delivery to topic `{topic}` (brokers `{}`) failed: {code}: {}",
+                self.brokers,
+                cause.describe()
+            );
+            return if cause.is_security() {
+                SinkError::Fatal(message)
+            } else {
+                SinkError::Retriable(message)
+            };
+        }
         let hint = classify::hint(code)
             .map(|h| format!(" ({h})"))
             .unwrap_or_default();
@@ -318,7 +357,10 @@ impl KafkaSink {
         };
         for delivery in queued.deliveries {
             let failure = match delivery.await {
-                Ok(Ok(_)) => continue,
+                Ok(Ok(_)) => {
+                    self.errors.clear();
+                    continue;
+                }
                 Ok(Err((e, _))) => self.failure(&queued.topic, &e),
                 Err(_canceled) => SinkError::Retriable(format!(
                     "kafka: delivery to topic `{}` was cancelled (producer closed)",
@@ -332,7 +374,10 @@ impl KafkaSink {
         outcome
     }
 
-    fn flush_blocking(producer: &FutureProducer, timeout: Duration) -> Result<(), KafkaError> {
+    fn flush_blocking(
+        producer: &FutureProducer<SinkContext>,
+        timeout: Duration,
+    ) -> Result<(), KafkaError> {
         if producer.in_flight_count() == 0 {
             return Ok(());
         }
@@ -373,8 +418,9 @@ impl Sink for KafkaSink {
         let result = match outcome {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(SinkError::Retriable(format!(
-                "kafka: brokers `{}` unreachable: {e}",
-                self.brokers
+                "kafka: brokers `{}` unreachable: {e}{}",
+                self.brokers,
+                cause_suffix(&self.errors)
             ))),
             Err(e) => Err(SinkError::Retriable(format!(
                 "kafka: health check did not finish: {e}"
@@ -417,28 +463,40 @@ impl Drop for KafkaSink {
 pub async fn probe(config: &KafkaSinkConfig, timeout: Duration) -> Result<String, KafkaSinkError> {
     config.validate()?;
     let config = config.with_secrets_read()?;
-    let client: rdkafka::producer::BaseProducer = client_config(&config)
-        .create()
+    let errors = Arc::new(BrokerErrors::default());
+    let client: rdkafka::producer::BaseProducer<SinkContext> = client_config(&config)
+        .create_with_context(SinkContext::new(errors.clone(), &config.brokers))
         .map_err(|e| client_error(&config, &e))?;
     let brokers = config.brokers.clone();
+    let errors_seen = errors.clone();
     let metadata = tokio::task::spawn_blocking(move || {
-        client
+        let metadata = client
             .client()
             .fetch_metadata(None, timeout)
-            .map(|m| (m.brokers().len(), m.topics().len()))
+            .map(|m| (m.brokers().len(), m.topics().len()));
+        // A base producer runs its callbacks (the error callback that
+        // records the cause) only when polled; the error may be queued
+        // just after the request failed.
+        if metadata.is_err() {
+            let until = Instant::now() + Duration::from_secs(1);
+            while errors_seen.latest().is_none() && Instant::now() < until {
+                client.poll(Duration::from_millis(50));
+            }
+        }
+        metadata
     })
     .await;
     match metadata {
         Ok(Ok((broker_count, topics))) => Ok(format!(
             "metadata from `{brokers}`: {broker_count} broker(s), {topics} topic(s)"
         )),
-        Ok(Err(e)) => Err(KafkaSinkError::Client {
+        Ok(Err(e)) => Err(KafkaSinkError::Metadata {
             brokers,
-            reason: format!("metadata request failed: {e}"),
+            reason: format!("{e}{}", cause_suffix(&errors)),
         }),
-        Err(e) => Err(KafkaSinkError::Client {
+        Err(e) => Err(KafkaSinkError::Metadata {
             brokers,
-            reason: format!("metadata request did not finish: {e}"),
+            reason: format!("did not finish: {e}"),
         }),
     }
 }
@@ -462,6 +520,14 @@ pub fn client_config(config: &KafkaSinkConfig) -> ClientConfig {
     client
 }
 
+/// `: <the latest connection error>`, or nothing when none was reported.
+fn cause_suffix(errors: &BrokerErrors) -> String {
+    errors
+        .latest()
+        .map(|cause| format!(": {}", cause.describe()))
+        .unwrap_or_default()
+}
+
 fn client_error(config: &KafkaSinkConfig, error: &KafkaError) -> KafkaSinkError {
     let reason = match error {
         KafkaError::ClientConfig(_, description, key, _value) => {
@@ -479,13 +545,14 @@ fn client_error(config: &KafkaSinkConfig, error: &KafkaError) -> KafkaSinkError 
 async fn create_topics(
     config: &KafkaSinkConfig,
     client_config: &ClientConfig,
+    context: &SinkContext,
     topics: &BTreeSet<String>,
 ) -> Result<(), KafkaSinkError> {
     if topics.is_empty() {
         return Ok(());
     }
-    let admin: AdminClient<DefaultClientContext> = client_config
-        .create()
+    let admin: AdminClient<SinkContext> = client_config
+        .create_with_context(context.clone())
         .map_err(|e| client_error(config, &e))?;
     let new_topics: Vec<NewTopic<'_>> = topics
         .iter()
@@ -507,7 +574,7 @@ async fn create_topics(
         .map_err(|e| KafkaSinkError::CreateTopic {
             brokers: config.brokers.clone(),
             topic: first_topic,
-            reason: e.to_string(),
+            reason: format!("{e}{}", cause_suffix(context.errors())),
         })?;
     for result in results {
         match result {
@@ -519,7 +586,7 @@ async fn create_topics(
                 return Err(KafkaSinkError::CreateTopic {
                     brokers: config.brokers.clone(),
                     topic,
-                    reason: code.to_string(),
+                    reason: format!("{code}{}", cause_suffix(context.errors())),
                 })
             }
         }

@@ -236,13 +236,19 @@ pub fn mentions_max_payload(text: &str) -> bool {
     text.contains("maximum payload") || text.contains("max payload")
 }
 
-/// An error and its sources as one line.
+/// An error and its sources as one line. A source that only repeats what
+/// the line already ends with (async-nats wraps `authorization violation`
+/// in `nats: authorization violation` twice) is left out.
 fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
+        let said = s.to_string();
+        let last = said.rsplit(": ").next().unwrap_or(&said);
+        if !text.ends_with(last) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
         source = s.source();
     }
     text
@@ -493,6 +499,44 @@ mod tests {
             partition_key: format!("{tenant}:voucher:1"),
             payload: Bytes::from_static(b"{}"),
         }
+    }
+
+    #[derive(Debug)]
+    struct Layer(&'static str, Option<Box<Layer>>);
+
+    impl std::fmt::Display for Layer {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+
+    impl std::error::Error for Layer {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.1.as_deref().map(|l| l as _)
+        }
+    }
+
+    #[test]
+    fn an_error_chain_says_each_cause_once() {
+        let repeated = Layer(
+            "authorization violation",
+            Some(Box::new(Layer(
+                "nats: authorization violation",
+                Some(Box::new(Layer("nats: authorization violation", None))),
+            ))),
+        );
+        assert_eq!(error_chain(&repeated), "authorization violation");
+        let nested = Layer(
+            "IO error",
+            Some(Box::new(Layer(
+                "invalid peer certificate: UnknownIssuer",
+                None,
+            ))),
+        );
+        assert_eq!(
+            error_chain(&nested),
+            "IO error: invalid peer certificate: UnknownIssuer"
+        );
     }
 
     #[test]
