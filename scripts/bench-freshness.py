@@ -18,6 +18,7 @@ still gets its chance), and prints one markdown table.
 """
 
 import argparse
+import bisect
 import json
 import math
 import os
@@ -179,8 +180,19 @@ def analyse(run, window_start, window_end, drain_end):
     result["sync_requests"] = len(during)
     result["sync_429"] = sum(1 for r in during if r[2] == 429)
 
+    # Successful list requests of each stream, to split a latency into the
+    # wait for the stream's next poll and the service delay after it.
+    polls = {}
+    for at, path, status in run.requests:
+        match = LIST_PATH.search(path)
+        if match and status == 200:
+            polls.setdefault((int(match.group(1)), match.group(2)), []).append(at)
+    for times in polls.values():
+        times.sort()
+
     # Change-to-event latency.
     latencies = []
+    poll_waits, service = [], []
     by_tier = {name: [] for name, _ in TIERS}
     no_event_kinds = {"silent_update": [0, 0], "touch": [0, 0], "delete": [0, 0]}
     for at, tenant, resource, record, change in run.changes:
@@ -195,6 +207,12 @@ def analyse(run, window_start, window_end, drain_end):
             ),
             None,
         )
+        if change in CONTENT_CHANGES and arrival is not None:
+            times = polls.get((tenant, resource), [])
+            first = bisect.bisect_left(times, at)
+            if first < len(times) and times[first] <= arrival:
+                poll_waits.append(times[first] - at)
+                service.append(arrival - times[first])
         if change in CONTENT_CHANGES:
             latency = math.inf if arrival is None else arrival - at
             latencies.append(latency)
@@ -209,6 +227,10 @@ def analyse(run, window_start, window_end, drain_end):
     for name, fraction in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0)):
         result[name] = percentile(latencies, fraction)
     result["no_event"] = no_event_kinds
+    poll_waits.sort()
+    service.sort()
+    result["poll_wait"] = [percentile(poll_waits, f) for f in (0.5, 0.99)]
+    result["service_delay"] = [percentile(service, f) for f in (0.5, 0.99, 1.0)]
     result["tiers"] = {}
     for name, values in by_tier.items():
         values.sort()
@@ -221,14 +243,12 @@ def analyse(run, window_start, window_end, drain_end):
     result["429"] = sum(1 for r in in_window if r[2] == 429)
 
     # Longest gap between two polls (successful list requests) of one stream.
-    polls = {}
-    for at, path, status in run.requests:
-        match = LIST_PATH.search(path)
-        if match and status == 200 and at <= window_end:
-            polls.setdefault((int(match.group(1)), match.group(2)), []).append(at)
-    longest, longest_stream, unpolled = 0.0, None, 0
-    for stream, times in polls.items():
-        times.sort()
+    longest, longest_stream, unpolled, polled = 0.0, None, 0, 0
+    for stream, all_times in polls.items():
+        times = [t for t in all_times if t <= window_end]
+        if not times:
+            continue
+        polled += 1
         in_window_polls = 0
         for earlier, later in zip(times, times[1:]):
             if later >= window_start:
@@ -243,7 +263,7 @@ def analyse(run, window_start, window_end, drain_end):
     result["longest_gap"] = longest
     result["longest_gap_stream"] = longest_stream
     result["unpolled_streams"] = unpolled
-    result["streams_polled"] = len(polls)
+    result["streams_polled"] = polled
     result["events_total"] = run.events_total
     result["bad_lines"] = run.bad_lines
     result["drain"] = drain_end - window_end
@@ -375,6 +395,13 @@ def main():
             for name, (count, p50, p90) in r["tiers"].items()
         )
         print(f"  - {r['strategy']} by tier: {tiers}")
+        wait, delay = r["poll_wait"], r["service_delay"]
+        print(
+            f"  - {r['strategy']}, delivered changes split at the stream's first poll after the change:"
+            f" wait for that poll p50 {seconds(wait[0])}, p99 {seconds(wait[1])};"
+            f" service delay after it (response, sink, this reader) p50 {seconds(delay[0])},"
+            f" p99 {seconds(delay[1])}, max {seconds(delay[2])}"
+        )
 
 
 if __name__ == "__main__":
