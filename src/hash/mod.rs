@@ -10,6 +10,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+pub(crate) use canonical::plain_run_end;
 use canonical::{escape_key, with_canonical};
 
 /// The first 16 bytes of a blake3 digest: the 128-bit form of every hash the
