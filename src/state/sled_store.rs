@@ -410,9 +410,24 @@ impl StateStore for SledStore {
         let journal = self.journal(key)?;
         let mut journal = lock(&journal);
         let (plan, _seq) = journal.plan_append(intents);
-        let mut batch = sled::Batch::default();
-        add_journal_plan(&mut batch, key, &plan);
-        self.apply(batch)?;
+        match single_entry(&plan) {
+            // The common case, a page whose ids no older entry holds: one
+            // insert, atomic by itself. An `apply_batch` would roll sled's
+            // log buffer twice (two more log writes, each synced by sled's
+            // I/O threads) for nothing.
+            Some((seq, entry)) => {
+                let mut value = Vec::new();
+                codec::encode_journal(entry, &mut value);
+                self.catalog
+                    .insert(codec::journal_key(key, seq), value)
+                    .map_err(|e| self.err(e))?;
+            }
+            None => {
+                let mut batch = sled::Batch::default();
+                add_journal_plan(&mut batch, key, &plan);
+                self.apply(batch)?;
+            }
+        }
         journal.apply(&plan);
         // The events of these intents may reach the sink the moment this
         // returns: the journal must survive a kill -9 from then on.
@@ -707,6 +722,15 @@ const STREAM_KINDS: [u8; 5] = [
     KIND_TOMBSTONE,
     KIND_DEAD_LETTER,
 ];
+
+/// The plan's only change when it writes exactly one non-empty entry.
+fn single_entry(plan: &JournalPlan) -> Option<(u64, &[(i64, Intent)])> {
+    let mut changes = plan.changes.iter();
+    match (changes.next(), changes.next()) {
+        (Some((seq, Some(entry))), None) if !entry.is_empty() => Some((*seq, entry)),
+        _ => None,
+    }
+}
 
 /// Adds the journal entry writes and removals of `plan` to `batch`.
 fn add_journal_plan(batch: &mut sled::Batch, key: StreamKey, plan: &JournalPlan) {
