@@ -1037,6 +1037,28 @@ mod tests {
     }
 
     #[test]
+    fn a_page_of_new_intents_written_in_one_insert_is_cleared_by_its_commit_across_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = open(&dir);
+            // No older entry holds these ids: the single-insert path.
+            store
+                .write_intents(VOUCHERS, &[(1, intent(1)), (2, intent(2))])
+                .unwrap();
+            store
+                .commit_records(VOUCHERS, &[(1, record(1, 0))], &[], 0)
+                .unwrap();
+            store.write_intents(VOUCHERS, &[(5, intent(5))]).unwrap();
+            store.flush().unwrap();
+        }
+        let store = open(&dir);
+        assert_eq!(
+            store.pending_intents(VOUCHERS).unwrap(),
+            vec![(2, intent(2)), (5, intent(5))]
+        );
+    }
+
+    #[test]
     fn a_partly_committed_intent_batch_keeps_the_rest_pending_across_reopens() {
         let dir = tempfile::tempdir().unwrap();
         {
