@@ -76,32 +76,11 @@ cargo build --release --bin voucher-cdc >&2
 BIN="${CARGO_TARGET_DIR:-target}/release/voucher-cdc"
 
 RUN_DIR="$(mktemp -d -t voucher-cdc-bench.XXXXXX)"
-pids=()
-cleanup() {
-  local pid
-  for pid in "${pids[@]}"; do
-    kill "$pid" 2>/dev/null || true
-  done
-  for pid in "${pids[@]}"; do
-    # Bounded: a bridge gets its shutdown_timeout (30 s) and a little more, then SIGKILL.
-    for _ in $(seq 1 175); do
-      kill -0 "$pid" 2>/dev/null || break
-      sleep 0.2
-    done
-    kill -9 "$pid" 2>/dev/null || true
-  done
-  if [ "$KEEP" -eq 1 ]; then
-    echo "run directory kept: $RUN_DIR" >&2
-  else
-    rm -rf "$RUN_DIR"
-  fi
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-free_port() {
-  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
-}
+# Bounded: a bridge gets its shutdown_timeout (30 s) and a little more, then SIGKILL.
+STOP_WAIT=350
+# shellcheck source=scripts/bench-common.sh
+. scripts/bench-common.sh
+install_cleanup
 
 wait_listening() {
   local url="$1" pid="$2" what="$3"

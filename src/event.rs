@@ -676,10 +676,21 @@ fn empty_object() -> Box<RawValue> {
     RawValue::from_string("{}".to_string()).unwrap_or_else(|_| RawValue::NULL.to_owned())
 }
 
+/// Room for the attributes around `data` (about 500 bytes with a long
+/// `dataschema`), so the payload is written into one allocation.
+const ENVELOPE_RESERVE: usize = 768;
+
 fn encode(doc: &CloudEvent<'_>) -> Bytes {
+    // `data` is copied as it is (a RawValue is never re-serialised); the
+    // buffer is sized for it up front, so it is not grown and copied again
+    // while the attributes are written.
+    let mut out = Vec::with_capacity(doc.data.get().len() + ENVELOPE_RESERVE);
     // Serializing a struct of strings, numbers and an already-valid RawValue
     // cannot fail; an empty payload would be rejected by every consumer.
-    Bytes::from(serde_json::to_vec(doc).unwrap_or_default())
+    match serde_json::to_writer(&mut out, doc) {
+        Ok(()) => Bytes::from(out),
+        Err(_) => Bytes::new(),
+    }
 }
 
 #[cfg(test)]

@@ -564,8 +564,9 @@ impl Parser<'_, '_> {
 
 /// The end of the run of string bytes starting at `pos` that need no
 /// escaping (no `"`, `\\` or control character), eight bytes at a time.
+/// (Also how the page decoder skips strings.)
 #[inline]
-fn plain_run_end(input: &[u8], mut pos: usize) -> usize {
+pub(crate) fn plain_run_end(input: &[u8], mut pos: usize) -> usize {
     const ONES: u64 = 0x0101_0101_0101_0101;
     const HIGH: u64 = 0x8080_8080_8080_8080;
     while let Some((chunk, _)) = input

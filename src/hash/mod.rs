@@ -11,6 +11,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+pub(crate) use canonical::plain_run_end;
 use canonical::{escape_key, with_canonical};
 pub use fields::{
     changed_fields, content_hash_with_fields, decode_field_list, encode_field_list, FieldHash,

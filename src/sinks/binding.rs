@@ -58,6 +58,25 @@ impl<'a> Attributes<'a> {
         })
     }
 
+    /// The routing attributes of a structured event (see [`Self::routing`]),
+    /// read from the attributes before `data` alone when the payload has
+    /// them there, as `crate::event` writes every event: the record in
+    /// `data` is not scanned again. Inside a JSON string a quote is always
+    /// escaped, so the first `,"data":` is a key; should it be a nested one,
+    /// the cut text is unbalanced, fails to parse, and the whole payload is read.
+    pub fn routing_of(payload: &[u8]) -> Result<Vec<(&'static str, String)>, serde_json::Error> {
+        const DATA_KEY: &[u8] = b",\"data\":";
+        if let Some(at) = payload.windows(DATA_KEY.len()).position(|w| w == DATA_KEY) {
+            let mut head = Vec::with_capacity(at + 1);
+            head.extend_from_slice(&payload[..at]);
+            head.push(b'}');
+            if let Ok(attributes) = Attributes::parse(&head) {
+                return Ok(attributes.routing());
+            }
+        }
+        Ok(Attributes::parse(payload)?.routing())
+    }
+
     /// One attribute as header text: a JSON string unquoted, anything else
     /// (the integer `tenant`) as its canonical JSON text.
     pub fn value(&self, name: &str) -> Option<String> {
@@ -156,5 +175,24 @@ mod tests {
         assert_eq!(attributes.data().unwrap().get(), r#"{"id":1,"x":"y"}"#);
         assert_eq!(nats_header("type"), "ce-type");
         assert_eq!(kafka_header("type"), "ce_type");
+    }
+
+    #[test]
+    fn routing_read_before_data_is_what_the_whole_event_gives() {
+        for payload in [
+            r#"{"specversion":"1.0","id":"ab","source":"/tenants/1/catalog/vouchers","type":"voucher.updated","subject":"7","tenant":1,"op":"create","data":{"id":7,"data":{"op":"x"}}}"#,
+            // A string holding the key text, escaped, and a nested `data` before the top-level one.
+            r#"{"id":"a,\"data\":","meta":{"x":1,"data":{"type":"nested"}},"type":"t","tenant":2,"data":{}}"#,
+            // No data at all (a dead letter).
+            r#"{"id":"dl","type":"deadletter","op":"update","tenant":3}"#,
+        ] {
+            let whole = Attributes::parse(payload.as_bytes()).unwrap().routing();
+            assert_eq!(
+                Attributes::routing_of(payload.as_bytes()).unwrap(),
+                whole,
+                "{payload}"
+            );
+        }
+        assert!(Attributes::routing_of(b"{\"id\":").is_err());
     }
 }

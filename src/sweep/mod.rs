@@ -40,7 +40,7 @@ pub use page::{dedupe, plan_page, Doomed, KnownRecords, PagePlan, PendingChange}
 use crate::config::OnRecordError;
 use crate::crashpoint;
 use crate::diff::SweepMode;
-use crate::event::{self, Event, Op};
+use crate::event::{self, Event, EventType, Op};
 use crate::hash::{HashError, IgnoreKeys};
 use crate::schema::SchemaBase;
 use crate::sinks::Sink;
@@ -591,16 +591,27 @@ impl SweepRun<'_> {
         Ok(())
     }
 
-    /// Counts acknowledged events by op, and dead letters.
+    /// Counts acknowledged events by op, and dead letters. The metric is
+    /// incremented once per (type, op) of the batch, not once per event.
     fn count_deliveries(&mut self, ops: &[Op], events: &[Event], deliveries: &[Delivery]) {
+        let mut published: Vec<(EventType, Option<Op>, u64)> = Vec::new();
         for ((op, event), delivery) in ops.iter().zip(events).zip(deliveries) {
             match delivery {
                 Delivery::DeadLettered(_) => self.report.dead_lettered += 1,
                 Delivery::Acknowledged => {
                     self.report.count(*op);
-                    self.count_event(event);
+                    match published
+                        .iter_mut()
+                        .find(|(ty, op, _)| *ty == event.ty && *op == event.op)
+                    {
+                        Some((_, _, n)) => *n += 1,
+                        None => published.push((event.ty, event.op, 1)),
+                    }
                 }
             }
+        }
+        for (ty, op, n) in published {
+            self.count_events(ty, op, n);
         }
     }
 
@@ -732,13 +743,17 @@ impl SweepRun<'_> {
     }
 
     fn count_event(&self, e: &Event) {
+        self.count_events(e.ty, e.op, 1);
+    }
+
+    fn count_events(&self, ty: EventType, op: Option<Op>, n: u64) {
         let stream = self.sweeper.stream;
         metrics::counter!(metric::EVENTS_PUBLISHED,
             "tenant" => stream.tenant.to_string(),
             "resource" => stream.resource.as_str(),
-            "type" => e.ty.as_str(),
-            "op" => e.op.map_or("none", Op::as_str))
-        .increment(1);
+            "type" => ty.as_str(),
+            "op" => op.map_or("none", Op::as_str))
+        .increment(n);
     }
 }
 

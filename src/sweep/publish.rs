@@ -93,14 +93,22 @@ impl SweepRun<'_> {
         let mut outstanding: Vec<usize> = (0..events.len()).collect();
         let mut backoff = settings.sink_backoff_initial;
         let mut attempt: u32 = 0;
+        let mut retried: Vec<Event>;
         while !outstanding.is_empty() {
-            let batch: Vec<Event> = outstanding
-                .iter()
-                .filter_map(|&i| events.get(i).cloned())
-                .collect();
+            // The first attempt publishes the batch as it is; a retry only
+            // the events still outstanding.
+            let batch: &[Event] = if outstanding.len() == events.len() {
+                events
+            } else {
+                retried = outstanding
+                    .iter()
+                    .filter_map(|&i| events.get(i).cloned())
+                    .collect();
+                &retried
+            };
             let started = Instant::now();
             let acks =
-                match tokio::time::timeout(settings.publish_timeout, sweeper.sink.publish(&batch))
+                match tokio::time::timeout(settings.publish_timeout, sweeper.sink.publish(batch))
                     .await
                 {
                     Ok(acks) => acks,
@@ -115,7 +123,7 @@ impl SweepRun<'_> {
             crate::sinks::metrics::record_publish(sweeper.sink.name(), started.elapsed(), &acks);
             let mut retry = Vec::new();
             let mut last_error = None;
-            for (i, (&index, event)) in outstanding.iter().zip(&batch).enumerate() {
+            for (i, (&index, event)) in outstanding.iter().zip(batch).enumerate() {
                 match acks.get(i) {
                     Some(Ok(())) => {}
                     Some(Err(e @ SinkError::Rejected { .. })) if tolerate_refusals => {

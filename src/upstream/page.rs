@@ -164,13 +164,135 @@ pub fn decode_page(body: &[u8]) -> Result<DecodedPage, String> {
     })
 }
 
+/// Finds the top-level `id` and `updated_at` of a record the envelope
+/// already validated as JSON, without a second full parse: one pass that
+/// only tracks strings and nesting. None when the record is not the plain
+/// case (a key with an escape, `id` or `updated_at` twice, anything that does
+/// not look like an object): the caller then asks serde.
+fn scan_head(text: &str) -> Option<RecordHead<'_>> {
+    let bytes = text.as_bytes();
+    let mut pos = skip_ws(bytes, 0);
+    if bytes.get(pos) != Some(&b'{') {
+        return None;
+    }
+    pos = skip_ws(bytes, pos + 1);
+    let mut head = RecordHead {
+        id: None,
+        updated_at: None,
+    };
+    if bytes.get(pos) == Some(&b'}') {
+        return Some(head);
+    }
+    loop {
+        if bytes.get(pos) != Some(&b'"') {
+            return None;
+        }
+        let key_end = string_end(bytes, pos)?;
+        let key = &bytes[pos + 1..key_end - 1];
+        if key.contains(&b'\\') {
+            return None;
+        }
+        pos = skip_ws(bytes, key_end);
+        if bytes.get(pos) != Some(&b':') {
+            return None;
+        }
+        let value_start = skip_ws(bytes, pos + 1);
+        let value_end = value_end(bytes, value_start)?;
+        let slot = match key {
+            b"id" => Some(&mut head.id),
+            b"updated_at" => Some(&mut head.updated_at),
+            _ => None,
+        };
+        if let Some(slot) = slot {
+            if slot.is_some() {
+                return None;
+            }
+            let value =
+                serde_json::from_str::<&RawValue>(text.get(value_start..value_end)?).ok()?;
+            *slot = Some(value);
+        }
+        pos = skip_ws(bytes, value_end);
+        match bytes.get(pos) {
+            Some(b',') => pos = skip_ws(bytes, pos + 1),
+            Some(b'}') => return Some(head),
+            _ => return None,
+        }
+    }
+}
+
+fn skip_ws(bytes: &[u8], mut pos: usize) -> usize {
+    while let Some(b' ' | b'\n' | b'\r' | b'\t') = bytes.get(pos) {
+        pos += 1;
+    }
+    pos
+}
+
+/// The end (one past the closing quote) of the string opening at `start`.
+fn string_end(bytes: &[u8], start: usize) -> Option<usize> {
+    let mut pos = start + 1;
+    loop {
+        // Eight bytes at a time up to the next quote, backslash (or control
+        // character, which valid JSON strings do not hold).
+        pos = crate::hash::plain_run_end(bytes, pos);
+        match bytes.get(pos)? {
+            b'"' => return Some(pos + 1),
+            b'\\' => pos += 2,
+            _ => pos += 1,
+        }
+    }
+}
+
+/// The end of the (valid) JSON value starting at `start`.
+fn value_end(bytes: &[u8], start: usize) -> Option<usize> {
+    match bytes.get(start)? {
+        b'"' => string_end(bytes, start),
+        b'{' | b'[' => {
+            let mut depth = 0usize;
+            let mut pos = start;
+            loop {
+                match bytes.get(pos)? {
+                    b'"' => {
+                        pos = string_end(bytes, pos)?;
+                        continue;
+                    }
+                    b'{' | b'[' => depth += 1,
+                    b'}' | b']' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            return Some(pos + 1);
+                        }
+                    }
+                    _ => {}
+                }
+                pos += 1;
+            }
+        }
+        _ => {
+            let mut pos = start;
+            while let Some(b) = bytes.get(pos) {
+                if matches!(b, b',' | b'}' | b']' | b' ' | b'\n' | b'\r' | b'\t') {
+                    break;
+                }
+                pos += 1;
+            }
+            Some(pos)
+        }
+    }
+}
+
 /// Reads `id` and `updated_at` from a raw record and keeps the record as it is.
 pub fn decode_record(raw: Box<RawValue>) -> Result<Record, SkipReason> {
     if !raw.get().starts_with('{') {
         return Err(SkipReason::NotAnObject);
     }
-    let head: RecordHead<'_> =
-        serde_json::from_str(raw.get()).map_err(|e| SkipReason::Unreadable(e.to_string()))?;
+    let head = match scan_head(raw.get()) {
+        Some(head) => head,
+        // Anything unusual (escaped keys, a repeated field) takes serde's
+        // path, which also words the reason.
+        None => {
+            serde_json::from_str(raw.get()).map_err(|e| SkipReason::Unreadable(e.to_string()))?
+        }
+    };
     let id_raw = head.id.ok_or(SkipReason::MissingId)?;
     let id = serde_json::from_str::<i64>(id_raw.get()).map_err(|_| {
         if id_raw.get() == "null" {
@@ -247,6 +369,46 @@ mod tests {
                 ),
             ]
         );
+    }
+
+    #[test]
+    fn the_one_pass_head_scan_reads_what_serde_reads_or_leaves_the_record_to_serde() {
+        let serde_head = |text: &str| {
+            serde_json::from_str::<RecordHead<'_>>(text).ok().map(|h| {
+                (
+                    h.id.map(|v| v.get().to_string()),
+                    h.updated_at.map(|v| v.get().to_string()),
+                )
+            })
+        };
+        for text in [
+            r#"{"id":1,"updated_at":"2024-01-01T00:00:00Z"}"#,
+            r#"{ "title" : "a \"quoted\" } ]", "nested": {"id": 9, "x": [1, {"updated_at": 2}]}, "id" : -3 }"#,
+            r#"{"updated_at":null,"id":null}"#,
+            r#"{"id":{"a":[1,2,{"b":"}"}]},"updated_at":17}"#,
+            r#"{"id":12345678901234567890,"list":["\\",""],"updated_at":"x"}"#,
+            r#"{}"#,
+            r#"{"other":true}"#,
+            r#"{"id":1.5e3, "t":false}"#,
+        ] {
+            let scanned = scan_head(text).map(|h| {
+                (
+                    h.id.map(|v| v.get().to_string()),
+                    h.updated_at.map(|v| v.get().to_string()),
+                )
+            });
+            // serde reads a null field as absent; the scan keeps the literal null,
+            // which the caller reads as absent too.
+            let scanned = scanned.map(|(id, at)| {
+                let not_null = |v: Option<String>| v.filter(|v| v != "null");
+                (not_null(id), not_null(at))
+            });
+            assert_eq!(scanned, serde_head(text), "{text}");
+        }
+        // A repeated field or an escaped key is left to serde.
+        assert!(scan_head(r#"{"id":4,"id":5}"#).is_none());
+        assert!(scan_head(r#"{"updated_at":"a","updated_at":"b","id":1}"#).is_none());
+        assert!(scan_head(r#"{"i\u0064":4}"#).is_none());
     }
 
     #[test]

@@ -453,9 +453,8 @@ fn connect_options(config: &NatsSinkConfig) -> Result<ConnectOptions, String> {
 /// The routing attributes as `ce-` headers (CloudEvents NATS binding),
 /// beside `Nats-Msg-Id`; the body stays the structured event.
 pub fn routing_headers(event: &Event) -> Vec<(String, String)> {
-    match Attributes::parse(&event.payload) {
-        Ok(attributes) => attributes
-            .routing()
+    match Attributes::routing_of(&event.payload) {
+        Ok(routing) => routing
             .into_iter()
             .map(|(name, value)| (nats_header(name), value))
             .collect(),
