@@ -15,17 +15,13 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use chrono::Utc;
-use serde_json::value::RawValue;
-use voucher_cdc::event::{record_event_with, Event, Op, RecordChange, VersionAttributes};
-use voucher_cdc::hash::ContentHash;
-use voucher_cdc::schema::DEFAULT_SCHEMA_BASE;
+use voucher_cdc::event::{Event, Op};
 use voucher_cdc::sinks::binding::{ContentMode, ROUTING_ATTRIBUTES};
 use voucher_cdc::sinks::kafka::{KafkaSink, KafkaSinkConfig};
 use voucher_cdc::sinks::Sink;
 use voucher_cdc::stream::{Resource, StreamKey};
 
-use brokers::{consume_all, sample_events, spawn_tansu};
+use brokers::{consume_all, sample_events, spawn_tansu, update_with_version};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_reach_a_real_broker_on_created_topics_with_keys_headers_and_tombstones() {
@@ -112,34 +108,6 @@ async fn publish_all(sink: &KafkaSink, events: &[Event], broker: &brokers::Tansu
         broker.log()
     );
     sink.flush().await.unwrap();
-}
-
-/// An update of record `id` with `changedfields` and `before`, as
-/// `events.changed_fields` and `events.before` publish it.
-fn update_with_version(stream: StreamKey, id: i64) -> Event {
-    let data =
-        RawValue::from_string(format!(r#"{{"id":{id},"title":"new","price":12.5}}"#)).unwrap();
-    let before = format!(r#"{{"id":{id},"title":"old","price":10}}"#);
-    record_event_with(
-        &RecordChange {
-            stream,
-            record_id: id,
-            generation: 0,
-            seq: 3,
-            op: Op::Update,
-            updated_at: Some("2024-05-01T10:00:00Z"),
-            content_hash: ContentHash([7; 16]),
-            previous_hash: Some(ContentHash([6; 16])),
-            replay: None,
-            data: &data,
-            detected_at: Utc::now(),
-            schema_base: &DEFAULT_SCHEMA_BASE,
-        },
-        VersionAttributes {
-            changed_fields: Some("price,title"),
-            before: Some(&before),
-        },
-    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

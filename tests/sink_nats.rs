@@ -18,7 +18,9 @@ use voucher_cdc::sinks::nats::{NatsSink, NatsSinkConfig, NatsSinkError};
 use voucher_cdc::sinks::{Sink, SinkError};
 use voucher_cdc::stream::{Resource, StreamKey};
 
-use brokers::{retry_until_acked, sample_events, spawn_nats, NatsAckGate, NatsServer};
+use brokers::{
+    retry_until_acked, sample_events, spawn_nats, update_with_version, NatsAckGate, NatsServer,
+};
 
 fn sink_config(server: &NatsServer) -> NatsSinkConfig {
     NatsSinkConfig {
@@ -73,6 +75,11 @@ async fn events_land_on_tenant_and_type_subjects_with_msg_id_content_type_ce_hea
         Op::Delete,
         0,
     ));
+    // An update with `changedfields` (after `data` in the body) and `before`.
+    events.push(update_with_version(
+        StreamKey::new(42, Resource::Vouchers),
+        70,
+    ));
     let acks = sink.publish(&events).await;
     assert!(acks.iter().all(Result::is_ok), "{acks:?}");
 
@@ -116,6 +123,12 @@ async fn events_land_on_tenant_and_type_subjects_with_msg_id_content_type_ce_hea
         assert_eq!(
             headers.get("ce-tenant").map(|v| v.as_str()),
             Some(tenant.as_str())
+        );
+        assert_eq!(
+            headers.get("ce-changedfields").map(|v| v.as_str()),
+            doc["changedfields"].as_str(),
+            "ce-changedfields of {}",
+            event.id
         );
         let subject = message.subject.as_str();
         if event.stream.tenant == 42 {

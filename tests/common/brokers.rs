@@ -16,7 +16,9 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{BorrowedMessage, Headers};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use serde_json::value::RawValue;
-use voucher_cdc::event::{record_event, Event, Op, RecordChange};
+use voucher_cdc::event::{
+    record_event, record_event_with, Event, Op, RecordChange, VersionAttributes,
+};
 use voucher_cdc::hash::ContentHash;
 use voucher_cdc::schema::DEFAULT_SCHEMA_BASE;
 use voucher_cdc::sinks::Sink;
@@ -518,6 +520,34 @@ pub fn sample_event(stream: StreamKey, id: u64, op: Op, payload_bytes: usize) ->
         return bare;
     }
     build(&"x".repeat(missing))
+}
+
+/// An update of record `id` with `changedfields` and `before`, as
+/// `events.changed_fields` and `events.before` publish it.
+pub fn update_with_version(stream: StreamKey, id: i64) -> Event {
+    let data =
+        RawValue::from_string(format!(r#"{{"id":{id},"title":"new","price":12.5}}"#)).unwrap();
+    let before = format!(r#"{{"id":{id},"title":"old","price":10}}"#);
+    record_event_with(
+        &RecordChange {
+            stream,
+            record_id: id,
+            generation: 0,
+            seq: 3,
+            op: Op::Update,
+            updated_at: Some("2024-05-01T10:00:00Z"),
+            content_hash: ContentHash([7; 16]),
+            previous_hash: Some(ContentHash([6; 16])),
+            replay: None,
+            data: &data,
+            detected_at: Utc::now(),
+            schema_base: &DEFAULT_SCHEMA_BASE,
+        },
+        VersionAttributes {
+            changed_fields: Some("price,title"),
+            before: Some(&before),
+        },
+    )
 }
 
 /// A TCP relay between a NATS client and a `nats-server` that can hold the
