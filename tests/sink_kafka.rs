@@ -20,7 +20,7 @@ use voucher_cdc::sinks::kafka::{KafkaSink, KafkaSinkConfig, KafkaSinkError};
 use voucher_cdc::sinks::{Ack, Sink, SinkError};
 use voucher_cdc::stream::{Resource, StreamKey};
 
-use brokers::{consume_all, retry_until_acked, sample_events, Consumed};
+use brokers::{consume_all, header_map, retry_until_acked, sample_events, Consumed};
 
 const VOUCHERS: StreamKey = StreamKey {
     tenant: 42,
@@ -77,16 +77,6 @@ fn assert_each_read_back_once(events: &[Event], records: &[Consumed]) {
             event.id
         );
     }
-}
-
-/// A record's headers as text, by name (each name once).
-fn header_map(record: &Consumed) -> BTreeMap<String, String> {
-    let mut map = BTreeMap::new();
-    for (name, value) in &record.headers {
-        let value = String::from_utf8(value.clone()).unwrap();
-        assert!(map.insert(name.clone(), value).is_none(), "{name} twice");
-    }
-    map
 }
 
 /// The routing attributes are `ce_` headers equal to the event's own attributes.

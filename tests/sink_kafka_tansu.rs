@@ -12,7 +12,6 @@
 mod brokers;
 mod common;
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use voucher_cdc::event::{Event, Op};
@@ -21,7 +20,9 @@ use voucher_cdc::sinks::kafka::{KafkaSink, KafkaSinkConfig};
 use voucher_cdc::sinks::Sink;
 use voucher_cdc::stream::{Resource, StreamKey};
 
-use brokers::{consume_all, sample_events, spawn_tansu, update_with_version};
+use brokers::{
+    consume_all, header_map, read_back_once, sample_events, spawn_tansu, update_with_version,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_reach_a_real_broker_on_created_topics_with_keys_headers_and_tombstones() {
@@ -57,18 +58,9 @@ async fn events_reach_a_real_broker_on_created_topics_with_keys_headers_and_tomb
     );
     assert_eq!(records.len(), expected, "tansu log:\n{}", broker.log());
     for event in &events {
-        let matching: Vec<_> = records
-            .iter()
-            .filter(|r| r.payload.as_deref() == Some(&event.payload[..]))
-            .collect();
-        assert_eq!(
-            matching.len(),
-            1,
-            "event {} read back {} times",
-            event.id,
-            matching.len()
-        );
-        let record = matching[0];
+        let record = read_back_once(&records, event, |r| {
+            r.payload.as_deref() == Some(&event.payload[..])
+        });
         assert_eq!(
             record.topic,
             format!("voucher_cdc.{}", event.stream.resource)
@@ -143,34 +135,14 @@ async fn in_binary_content_mode_a_real_broker_returns_data_as_the_value_and_ever
     assert_eq!(records.len(), expected, "tansu log:\n{}", broker.log());
     for event in &events {
         let doc: serde_json::Value = serde_json::from_slice(&event.payload).unwrap();
-        let matching: Vec<_> = records
-            .iter()
-            .filter(|r| {
-                r.headers
-                    .iter()
-                    .any(|(n, v)| n == "ce_id" && v == event.id.as_bytes())
-            })
-            .collect();
-        assert_eq!(
-            matching.len(),
-            1,
-            "event {} read back {} times",
-            event.id,
-            matching.len()
-        );
-        let record = matching[0];
+        let record = read_back_once(&records, event, |r| {
+            header_map(r).get("ce_id") == Some(&event.id)
+        });
         assert_eq!(record.key.as_deref(), Some(event.partition_key.as_bytes()));
         let value: serde_json::Value =
             serde_json::from_slice(record.payload.as_deref().unwrap()).unwrap();
         assert_eq!(value, doc["data"], "the value is data alone");
-        let mut headers = BTreeMap::new();
-        for (name, value) in &record.headers {
-            let value = String::from_utf8(value.clone()).unwrap();
-            assert!(
-                headers.insert(name.clone(), value).is_none(),
-                "{name} twice"
-            );
-        }
+        let headers = header_map(record);
         assert_eq!(headers["content-type"], "application/json");
         // Every attribute but data and datacontenttype is a header with the
         // attribute's value, and there is no other header.
@@ -206,12 +178,9 @@ async fn in_binary_content_mode_a_real_broker_returns_data_as_the_value_and_ever
         .collect();
     assert_eq!(updated.len(), 2);
     for record in updated {
-        let header = |name: &str| {
-            let (_, v) = record.headers.iter().find(|(n, _)| n == name).unwrap();
-            String::from_utf8(v.clone()).unwrap()
-        };
-        assert_eq!(header("ce_changedfields"), "price,title");
-        let before: serde_json::Value = serde_json::from_str(&header("ce_before")).unwrap();
+        let headers = header_map(record);
+        assert_eq!(headers["ce_changedfields"], "price,title");
+        let before: serde_json::Value = serde_json::from_str(&headers["ce_before"]).unwrap();
         assert_eq!(before["title"], "old");
     }
     // The delete is still followed by its tombstone.

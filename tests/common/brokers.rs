@@ -5,6 +5,7 @@
 //! Include with `#[path = "common/brokers.rs"] #[allow(dead_code)] mod brokers;`
 //! beside `mod common;` (each includer uses a different part).
 
+use std::collections::BTreeMap;
 use std::fs::OpenOptions;
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
@@ -475,6 +476,34 @@ pub async fn retry_until_acked(
         }
     }
     attempts
+}
+
+/// A record's headers as text, by name (each name once).
+pub fn header_map(record: &Consumed) -> BTreeMap<String, String> {
+    let mut map = BTreeMap::new();
+    for (name, value) in &record.headers {
+        let value = String::from_utf8(value.clone()).unwrap();
+        assert!(map.insert(name.clone(), value).is_none(), "{name} twice");
+    }
+    map
+}
+
+/// The one record of `records` that `is_event` picks for `event`; fails when
+/// there is none or more than one.
+pub fn read_back_once<'a>(
+    records: &'a [Consumed],
+    event: &Event,
+    is_event: impl Fn(&Consumed) -> bool,
+) -> &'a Consumed {
+    let matching: Vec<_> = records.iter().filter(|r| is_event(r)).collect();
+    assert_eq!(
+        matching.len(),
+        1,
+        "event {} read back {} times",
+        event.id,
+        matching.len()
+    );
+    matching[0]
 }
 
 /// `count` events of `stream` for record ids `first_id..`, each payload about
