@@ -56,6 +56,10 @@ pub struct SweepPlan {
     pub replay_records_before: u64,
     /// The full-sweep epoch records seen by this sweep are marked with.
     pub epoch: u64,
+    /// The stream's watermark before this sweep, when it has one and this
+    /// is a normal sweep: a change whose `updated_at` is later was announced
+    /// since the last listing (what the planner learns rates from).
+    pub announced_after: Option<DateTime<Utc>>,
 }
 
 impl SweepPlan {
@@ -93,6 +97,7 @@ pub fn plan_sweep(state: &StreamState, kind: SweepKind, lookback: Duration) -> S
             epoch: replay
                 .epoch
                 .unwrap_or_else(|| state.full_sweep_epoch.saturating_add(1)),
+            announced_after: None,
         };
     }
     let complete = |mode| SweepPlan {
@@ -104,6 +109,7 @@ pub fn plan_sweep(state: &StreamState, kind: SweepKind, lookback: Duration) -> S
         replay_since: None,
         replay_records_before: 0,
         epoch: state.full_sweep_epoch.saturating_add(1),
+        announced_after: state.watermark,
     };
     let Some(watermark) = state.watermark else {
         // First sync: a complete listing, emitted as snapshots.
@@ -123,6 +129,7 @@ pub fn plan_sweep(state: &StreamState, kind: SweepKind, lookback: Duration) -> S
                 replay_since: None,
                 replay_records_before: 0,
                 epoch: state.full_sweep_epoch,
+                announced_after: Some(watermark),
             }
         }
     }

@@ -197,6 +197,11 @@ pub struct SweepReport {
     pub deleted: u64,
     /// Events the sink refused that went out as dead letters instead.
     pub dead_lettered: u64,
+    /// Creates and updates (acknowledged or dead-lettered) whose record's
+    /// `updated_at` is after the stream's previous watermark: changes the
+    /// upstream announced since the last listing, not silent ones the
+    /// lookback overlap happened to catch. What the planner learns from.
+    pub announced: u64,
     /// The new watermark.
     pub watermark: Option<DateTime<Utc>>,
     /// Records known after the sweep.
@@ -542,6 +547,7 @@ impl SweepRun<'_> {
         let known = self.known_records(records)?;
         let page = plan_page(records, &known, self.plan, &sweeper.settings.ignore_keys)?;
         let epoch = self.plan.epoch;
+        let announced = page.announced(self.plan.announced_after);
         let seen = if self.plan.full {
             page.unchanged
         } else {
@@ -578,6 +584,7 @@ impl SweepRun<'_> {
             crashpoint::hit(crashpoint::names::AFTER_PUBLISH);
             let ops: Vec<Op> = page.changes.iter().map(|c| c.change.op).collect();
             self.count_deliveries(&ops, &events, &deliveries);
+            self.report.announced += announced;
             let commits = page.changes.iter().map(|c| c.commit(epoch)).collect();
             Acked::page(commits, deliveries, seen, epoch)?.with_versions(versions.stored)
         } else {

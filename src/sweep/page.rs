@@ -137,6 +137,23 @@ pub struct PagePlan<'a> {
     pub unchanged: Vec<i64>,
 }
 
+impl PagePlan<'_> {
+    /// How many of its changes are creates or updates of records whose
+    /// `updated_at` is after `after` (the stream's previous watermark):
+    /// changes the upstream announced since the last listing, not silent
+    /// ones the lookback overlap caught (see `SweepReport::announced`).
+    pub fn announced(&self, after: Option<DateTime<Utc>>) -> u64 {
+        let Some(after) = after.map(|t| t.timestamp_micros()) else {
+            return 0;
+        };
+        self.changes
+            .iter()
+            .filter(|c| matches!(c.change.op, Op::Create | Op::Update))
+            .filter(|c| c.updated_at_micros.is_some_and(|at| at > after))
+            .count() as u64
+    }
+}
+
 /// Plans one page of a sweep run as `plan` says, against what the store knows.
 pub fn plan_page<'a>(
     records: &'a [Record],
@@ -343,6 +360,39 @@ mod tests {
             generation: 0,
             seq,
         }
+    }
+
+    #[test]
+    fn only_creates_and_updates_newer_than_the_previous_watermark_count_as_announced() {
+        let old = |id: i64, title: &str| {
+            let at = "2023-01-01T00:00:00Z";
+            let raw = format!(r#"{{"id":{id},"title":"{title}","updated_at":"{at}"}}"#);
+            Record {
+                id,
+                updated_at: Some(at.into()),
+                raw: RawValue::from_string(raw).unwrap(),
+            }
+        };
+        let before = vec![record(1, "a"), old(2, "b"), record(3, "c")];
+        let mut known = KnownRecords::default();
+        for r in &before {
+            known.committed.insert(r.id, committed(r, 1));
+        }
+        // 1 updated and newer than the watermark; 2 changed silently (an
+        // old updated_at); 3 unchanged; 4 created and newer.
+        let now = vec![record(1, "A"), old(2, "B"), record(3, "c"), record(4, "d")];
+        let plan = synced();
+        assert!(plan.announced_after.is_some());
+        let page = plan_page(&now, &known, &plan, &ignore()).unwrap();
+        assert_eq!(page.changes.len(), 3);
+        assert_eq!(page.announced(plan.announced_after), 2);
+        let first_sync = plan_sweep(
+            &StreamState::default(),
+            SweepKind::Incremental,
+            Duration::ZERO,
+        );
+        assert_eq!(first_sync.announced_after, None);
+        assert_eq!(page.announced(first_sync.announced_after), 0);
     }
 
     #[test]
