@@ -320,6 +320,12 @@ def main():
     parser.add_argument("--strategies", required=True, help="comma-separated")
     parser.add_argument("--minutes", type=float, default=8.0)
     parser.add_argument("--drain", type=float, default=360.0)
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=0.0,
+        help="seconds between the end of the slower initial sync and the window (rates are learnt meanwhile)",
+    )
     parser.add_argument("--sync-timeout", type=float, default=900.0)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
@@ -350,11 +356,12 @@ def main():
             if all(r.sync_done is not None for r in runs) or timed_out:
                 if timed_out:
                     print("initial sync timeout: measuring anyway", file=sys.stderr, flush=True)
-                window_start = now
-                window_end = now + args.minutes * 60.0
+                window_start = now + args.warmup
+                window_end = window_start + args.minutes * 60.0
                 drain_end = window_end + args.drain
                 print(
-                    f"measuring for {args.minutes:g} min, then {args.drain:.0f} s of drain",
+                    f"warming up for {args.warmup:.0f} s, measuring for {args.minutes:g} min,"
+                    f" then {args.drain:.0f} s of drain",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -369,8 +376,11 @@ def main():
             break
         elif now - last_progress >= 60.0:
             last_progress = now
-            left = max(0.0, window_end - now)
-            print(f"measuring: {left:.0f} s of the window left", file=sys.stderr, flush=True)
+            if now < window_start:
+                print(f"warming up: {window_start - now:.0f} s left", file=sys.stderr, flush=True)
+            else:
+                left = max(0.0, window_end - now)
+                print(f"measuring: {left:.0f} s of the window left", file=sys.stderr, flush=True)
         time.sleep(TICK)
 
     results = [analyse(r, window_start, window_end, drain_end) for r in runs]

@@ -10,6 +10,7 @@
 #
 #   bash scripts/bench-freshness.sh [--minutes M] [--strategies uniform,adaptive]
 #                                   [--drain S] [--tenants N] [--keep]
+#                                   [--warmup S]         (seconds between the syncs and the window)
 #                                   [--max-interval D]   (adaptive's poll.max_interval, default 5m)
 #                                   [--tail-guard G]     (adaptive's poll.tail_guard, default: the build's)
 #
@@ -20,6 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 MINUTES=8
+WARMUP=0
 STRATEGIES="uniform,adaptive"
 # Longer than poll.max_interval (5m), so no change is cut off by the end of the run.
 DRAIN=360
@@ -32,7 +34,7 @@ MAX_INTERVAL=5m
 TAIL_GUARD=""
 
 usage() {
-  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
 }
 
 while [ $# -gt 0 ]; do
@@ -40,6 +42,7 @@ while [ $# -gt 0 ]; do
     --minutes) MINUTES="${2:?--minutes needs a value}"; shift 2 ;;
     --strategies) STRATEGIES="${2:?--strategies needs a value}"; shift 2 ;;
     --drain) DRAIN="${2:?--drain needs a value}"; shift 2 ;;
+    --warmup) WARMUP="${2:?--warmup needs a value}"; shift 2 ;;
     --tenants) TENANTS="${2:?--tenants needs a value}"; shift 2 ;;
     --sync-timeout) SYNC_TIMEOUT="${2:?--sync-timeout needs a value}"; shift 2 ;;
     --keep) KEEP=1; shift ;;
@@ -50,7 +53,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-for number in "$MINUTES" "$DRAIN" "$TENANTS" "$SYNC_TIMEOUT" ${TAIL_GUARD:+"$TAIL_GUARD"}; do
+for number in "$MINUTES" "$WARMUP" "$DRAIN" "$TENANTS" "$SYNC_TIMEOUT" ${TAIL_GUARD:+"$TAIL_GUARD"}; do
   case "$number" in
     '' | *[!0-9.]*) echo "error: '$number' is not a number" >&2; exit 2 ;;
   esac
@@ -161,7 +164,7 @@ done
 echo "==> $TENANTS tenants x ($VOUCHERS vouchers + $CATEGORIES categories), 120 requests/min per token;" \
   "strategies: $STRATEGIES; window $MINUTES min + ${DRAIN}s drain (run dir $RUN_DIR)" >&2
 # Bounded: the monitor ends after the sync timeout + window + drain at most.
-limit="$(python3 -c "print(int($SYNC_TIMEOUT + $MINUTES * 60 + $DRAIN + 120))")"
+limit="$(python3 -c "print(int($SYNC_TIMEOUT + $WARMUP + $MINUTES * 60 + $DRAIN + 120))")"
 timeout "$limit" python3 scripts/bench-freshness.py --run-dir "$RUN_DIR" \
-  --strategies "$STRATEGIES" --minutes "$MINUTES" --drain "$DRAIN" \
+  --strategies "$STRATEGIES" --minutes "$MINUTES" --warmup "$WARMUP" --drain "$DRAIN" \
   --sync-timeout "$SYNC_TIMEOUT" --json "$RUN_DIR/results.json"

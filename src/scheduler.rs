@@ -708,7 +708,7 @@ impl Turn {
             StepOutcome::Swept(report) => SweepFacts {
                 started: self.started,
                 completed: true,
-                changed: report.created + report.updated + report.deleted + report.dead_lettered,
+                changed: report.announced,
                 requests: report.pages,
             },
             _ => SweepFacts {

@@ -241,10 +241,10 @@ pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
 pub const DEFAULT_MAX_INTERVAL: Duration = Duration::from_secs(300);
 /// Default of `poll.full_sweep_share`.
 pub const DEFAULT_FULL_SWEEP_SHARE: f64 = 0.25;
-/// Default of `poll.tail_guard`: off. Measured, a guard of 0.95 neither kept
-/// the p99 at uniform's nor left the median its gain (README, "Freshness
-/// benchmark"), so the square-root law alone is the default.
-pub const DEFAULT_TAIL_GUARD: f64 = 0.0;
+/// Default of `poll.tail_guard`: every stream but the cold tail is polled
+/// at least once per 0.9 x the round a uniform schedule would take, so the
+/// slowest changes wait less than under uniform polling (docs/planner.md).
+pub const DEFAULT_TAIL_GUARD: f64 = 0.9;
 /// Default of `poll.max_pages_floor`: a listing of 500,000 records.
 pub const DEFAULT_MAX_PAGES_FLOOR: u64 = 10_000;
 
@@ -294,9 +294,10 @@ pub struct PollConfig {
     /// Share of a contended budget that full-sweep pages may take (0 to 1).
     #[serde(default = "default_full_sweep_share")]
     pub full_sweep_share: f64,
-    /// The planner's tail guard, as a share of the round a uniform schedule
-    /// would take: every stream that changes is polled at least that often
-    /// (0 turns it off: the square-root law alone, the lowest median).
+    /// The planner's tail target, as a share of the round a uniform schedule
+    /// would take: every stream but the coldest (whose changes are too few
+    /// to move the p99) is polled at least that often (0 turns it off: the
+    /// square-root law alone up to `max_interval`, the lowest mean).
     #[serde(default = "default_tail_guard")]
     pub tail_guard: f64,
 }

@@ -1,0 +1,604 @@
+//! The planner's arithmetic, free of clocks and I/O: how often each stream
+//! of a token should be polled so the token's budget buys the most freshness
+//! without making the slowest changes wait longer than uniform polling would
+//! (docs/planner.md, "The rule").
+//!
+//! Two steps:
+//!
+//! 1. [`estimate_rates`]: every stream's change rate, pooled per tenant (a
+//!    tenant's resources change together) and shrunk toward the token's
+//!    population of tenants by empirical Bayes: the population's law is
+//!    estimated nonparametrically from every tenant's counts (the
+//!    Kiefer-Wolfowitz maximum-likelihood mixture, by EM on a fixed grid of
+//!    rates), and each tenant's rate is its posterior mean under that law. A
+//!    tenant silent for ten minutes on a token where most tenants change
+//!    every minute is then not taken for dead, nor one lucky change for hot.
+//! 2. [`target_periods`]: the poll period of each stream. A tail target, a
+//!    share of the round a uniform schedule would take, bounds every stream
+//!    but the coldest, which go to the cap as long as the changes they carry
+//!    would add at most [`TAIL_EXCESS`] of all changes above the tail target
+//!    (the p99 keeps its margin); the budget left is spent by the
+//!    square-root law (Cho and Garcia-Molina 2003) between the floor and the
+//!    tail target.
+
+use std::time::Duration;
+
+use crate::stream::{Resource, TenantId};
+
+/// Share of all changes allowed to wait longer than the tail target: the
+/// coldest streams held only to the cap carry at most this much of the
+/// learnt changes times their chance to wait past the tail target. Under the
+/// 1% a p99 allows, with a margin for estimation.
+pub const TAIL_EXCESS: f64 = 0.007;
+
+/// Share of the budget's pace a schedule plans to spend (see [`target_periods`]).
+pub const SPEND_SHARE: f64 = 0.97;
+
+/// The grid of tenant rates (changes a second) the population's law lives
+/// on: zero (a tenant that never changes) and a geometric ladder from one
+/// change in 11.6 days to one a second.
+fn rate_grid() -> Vec<f64> {
+    const POINTS: usize = 48;
+    std::iter::once(0.0)
+        .chain((0..POINTS).map(|k| 1e-6 * 1e6f64.powf(k as f64 / (POINTS - 1) as f64)))
+        .collect()
+}
+
+/// EM iterations per estimate; the law is warm-started from the last one.
+const EM_ITERATIONS: usize = 40;
+
+/// What the planner knows of one stream, as [`estimate_rates`] needs it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Observed {
+    /// The stream's tenant.
+    pub tenant: TenantId,
+    /// The stream's resource.
+    pub resource: Resource,
+    /// Changes counted (decayed).
+    pub changes: f64,
+    /// Seconds observed (decayed alike).
+    pub seconds: f64,
+}
+
+/// The population's law of tenant rates, kept between estimates.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Population {
+    grid: Vec<f64>,
+    weights: Vec<f64>,
+}
+
+impl Default for Population {
+    fn default() -> Self {
+        let grid = rate_grid();
+        let weights = vec![1.0 / grid.len() as f64; grid.len()];
+        Self { grid, weights }
+    }
+}
+
+impl Population {
+    /// The mean tenant rate under the law (changes a second).
+    pub fn mean(&self) -> f64 {
+        self.grid
+            .iter()
+            .zip(&self.weights)
+            .map(|(r, w)| r * w)
+            .sum()
+    }
+}
+
+/// Every stream's change rate (changes a second, in the order given): its
+/// tenant's posterior mean under the population's law, split over the
+/// tenant's streams by each resource's share of the token's changes.
+/// `population` is refitted to the counts (and kept for the next call).
+pub fn estimate_rates(streams: &[Observed], population: &mut Population) -> Vec<f64> {
+    if streams.is_empty() {
+        return Vec::new();
+    }
+    // Each resource's share of the token's changes (one pseudo-change each).
+    let mut resources: Vec<(Resource, f64, f64)> = Vec::new();
+    for s in streams {
+        match resources.iter_mut().find(|(r, _, _)| *r == s.resource) {
+            Some((_, changes, seconds)) => {
+                *changes += s.changes;
+                *seconds += s.seconds;
+            }
+            None => resources.push((s.resource, s.changes, s.seconds)),
+        }
+    }
+    // A resource's rate per stream, relative to the others: its share of a tenant's changes.
+    let per_stream: Vec<f64> = resources
+        .iter()
+        .map(|(_, changes, seconds)| (changes + 1.0) / seconds.max(1.0))
+        .collect();
+    let total: f64 = per_stream.iter().sum();
+    let share = |resource: Resource| {
+        resources
+            .iter()
+            .position(|(r, _, _)| *r == resource)
+            .map_or(0.0, |i| per_stream[i] / total)
+    };
+    // Tenants: changes and exposure (seconds weighted by the resource's share).
+    let mut tenants: Vec<(TenantId, f64, f64)> = Vec::new();
+    for s in streams {
+        let exposure = s.seconds * share(s.resource);
+        match tenants.iter_mut().find(|(t, _, _)| *t == s.tenant) {
+            Some((_, n, e)) => {
+                *n += s.changes;
+                *e += exposure;
+            }
+            None => tenants.push((s.tenant, s.changes, exposure)),
+        }
+    }
+    let posterior = posterior_means(&tenants, population);
+    streams
+        .iter()
+        .map(|s| {
+            let tenant = tenants.iter().position(|(t, _, _)| *t == s.tenant);
+            tenant.map_or(0.0, |i| posterior[i]) * share(s.resource)
+        })
+        .collect()
+}
+
+/// Refits `population` to the tenants' (changes, exposure) and returns each
+/// tenant's posterior mean rate. Counts are decayed, so not integers: the
+/// Poisson likelihood is taken with `lgamma`.
+fn posterior_means(tenants: &[(TenantId, f64, f64)], population: &mut Population) -> Vec<f64> {
+    let grid = population.grid.clone();
+    // Log-likelihood of each tenant's count at each grid rate.
+    let likelihood: Vec<Vec<f64>> = tenants
+        .iter()
+        .map(|(_, n, exposure)| {
+            let row: Vec<f64> = grid
+                .iter()
+                .map(|rate| {
+                    let mean = rate * exposure;
+                    if mean <= 0.0 {
+                        if *n <= 1e-9 {
+                            0.0
+                        } else {
+                            f64::NEG_INFINITY
+                        }
+                    } else {
+                        n * mean.ln() - mean - ln_gamma(n + 1.0)
+                    }
+                })
+                .collect();
+            // Scaled by the row's best, so exp() stays in range.
+            let top = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            row.iter().map(|l| (l - top).exp()).collect()
+        })
+        .collect();
+    let mut weights = population.weights.clone();
+    for _ in 0..EM_ITERATIONS {
+        let mut next = vec![0.0; grid.len()];
+        for row in &likelihood {
+            let evidence: f64 = row.iter().zip(&weights).map(|(l, w)| l * w).sum();
+            if evidence <= 0.0 {
+                continue;
+            }
+            for (k, (l, w)) in row.iter().zip(&weights).enumerate() {
+                next[k] += l * w / evidence;
+            }
+        }
+        let sum: f64 = next.iter().sum();
+        if sum <= 0.0 {
+            break;
+        }
+        // A floor keeps every rate reachable when a tenant's behaviour changes.
+        weights = next.iter().map(|w| (w / sum).max(1e-9)).collect();
+    }
+    population.weights = weights;
+    likelihood
+        .iter()
+        .map(|row| {
+            let evidence: f64 = row
+                .iter()
+                .zip(&population.weights)
+                .map(|(l, w)| l * w)
+                .sum();
+            if evidence <= 0.0 {
+                return population.mean();
+            }
+            row.iter()
+                .zip(&population.weights)
+                .zip(&grid)
+                .map(|((l, w), rate)| l * w * rate)
+                .sum::<f64>()
+                / evidence
+        })
+        .collect()
+}
+
+/// `ln Γ(x)` for x > 0 (Lanczos, g = 7): enough for likelihood ratios.
+fn ln_gamma(x: f64) -> f64 {
+    const G: f64 = 7.0;
+    const C: [f64; 9] = [
+        0.999_999_999_999_809_9,
+        676.520_368_121_885_1,
+        -1_259.139_216_722_402_8,
+        771.323_428_777_653_1,
+        -176.615_029_162_140_6,
+        12.507_343_278_686_905,
+        -0.138_571_095_265_720_12,
+        9.984_369_578_019_572e-6,
+        1.505_632_735_149_311_6e-7,
+    ];
+    if x < 0.5 {
+        let pi = std::f64::consts::PI;
+        return (pi / (pi * x).sin()).ln() - ln_gamma(1.0 - x);
+    }
+    let x = x - 1.0;
+    let mut a = C[0];
+    let t = x + G + 0.5;
+    for (i, c) in C.iter().enumerate().skip(1) {
+        a += c / (x + i as f64);
+    }
+    0.5 * (2.0 * std::f64::consts::PI).ln() + (x + 0.5) * t.ln() - t + a.ln()
+}
+
+/// What [`target_periods`] needs of one stream.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Demand {
+    /// Estimated changes a second.
+    pub rate: f64,
+    /// Requests a poll costs (at least 1).
+    pub cost: f64,
+    /// Breaks ties between streams of equal rate (a hash of the key, so no
+    /// tenant is always first among equals).
+    pub tie: u64,
+}
+
+/// The schedule [`target_periods`] found.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Targets {
+    /// Each stream's target poll period, in the order given.
+    pub periods: Vec<Duration>,
+    /// The stream is in the cold tail, held only to the cap.
+    pub tail: Vec<bool>,
+    /// The bound every other stream is held to (None: the budget covers the floor).
+    pub tail_target: Option<Duration>,
+}
+
+/// The limits [`target_periods`] plans within.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Limits {
+    /// `poll.interval`: no period below it.
+    pub floor: Duration,
+    /// `poll.max_interval`: no period above it.
+    pub cap: Duration,
+    /// `poll.tail_guard`: the tail target as a share of a uniform round (0: none, the cap).
+    pub tail_share: f64,
+}
+
+/// Target poll periods for streams sharing `budget` requests a second (None:
+/// unlimited). With a budget that covers every stream at the floor, every
+/// period is the floor (the uniform schedule).
+pub fn target_periods(demands: &[Demand], budget: Option<f64>, limits: Limits) -> Targets {
+    let floor = limits.floor.as_secs_f64().max(1e-3);
+    let cap = limits.cap.as_secs_f64().max(floor);
+    let n = demands.len();
+    let costs: Vec<f64> = demands.iter().map(|d| d.cost.max(1.0)).collect();
+    let at_floor = |tail_target| Targets {
+        periods: vec![Duration::from_secs_f64(floor); n],
+        tail: vec![false; n],
+        tail_target,
+    };
+    let Some(budget) = budget.filter(|b| b.is_finite() && *b > 0.0) else {
+        return at_floor(None);
+    };
+    let round = costs.iter().sum::<f64>() / budget;
+    if round <= floor {
+        return at_floor(None);
+    }
+    // What the schedule may spend: a little under the pace, so the polls
+    // the budget delays now and then do not push every deadline later.
+    let budget = budget * SPEND_SHARE;
+    let total_rate: f64 = demands.iter().map(|d| d.rate.max(0.0)).sum();
+    // Coldest first (rate per request), ties by the hash.
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| {
+        let (da, db) = (&demands[a], &demands[b]);
+        (da.rate / costs[a])
+            .total_cmp(&(db.rate / costs[b]))
+            .then(da.tie.cmp(&db.tie))
+            .then(a.cmp(&b))
+    });
+    // The cold tail for a tail target x: the coldest streams whose changes
+    // would add at most TAIL_EXCESS above x at the cap.
+    let tail_for = |x: f64| {
+        let mut tail = vec![false; n];
+        let beyond = 1.0 - x / cap;
+        if beyond <= 0.0 {
+            // The tail target is the cap: there is nothing to hold apart.
+            return tail;
+        }
+        let mut excess = 0.0;
+        for &i in &order {
+            let share = if total_rate > 0.0 {
+                demands[i].rate.max(0.0) / total_rate
+            } else {
+                0.0
+            };
+            if excess + share * beyond > TAIL_EXCESS {
+                break;
+            }
+            excess += share * beyond;
+            tail[i] = true;
+        }
+        tail
+    };
+    let spend = |x: f64, tail: &[bool]| -> f64 {
+        (0..n)
+            .map(|i| costs[i] / if tail[i] { cap } else { x })
+            .sum()
+    };
+    let wanted = if limits.tail_share > 0.0 {
+        (round * limits.tail_share).clamp(floor, cap)
+    } else {
+        cap
+    };
+    // The tail target: the wanted one, or the least the budget allows.
+    let mut target = wanted;
+    if spend(target, &tail_for(target)) > budget {
+        let (mut lo, mut hi) = (target, cap);
+        for _ in 0..40 {
+            let mid = (lo + hi) / 2.0;
+            if spend(mid, &tail_for(mid)) > budget {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        target = hi;
+    }
+    let tail = tail_for(target);
+    // The square-root law between the floor and the tail target, spending what is left.
+    let periods_at = |theta: f64| -> Vec<f64> {
+        (0..n)
+            .map(|i| {
+                if tail[i] {
+                    cap
+                } else if demands[i].rate <= 0.0 {
+                    target
+                } else {
+                    (theta * costs[i] / demands[i].rate)
+                        .sqrt()
+                        .clamp(floor, target)
+                }
+            })
+            .collect()
+    };
+    let cost_of = |periods: &[f64]| -> f64 { periods.iter().zip(&costs).map(|(t, c)| c / t).sum() };
+    let (mut lo, mut hi) = (1e-12f64, 1e12f64);
+    for _ in 0..100 {
+        let mid = (lo * hi).sqrt();
+        if cost_of(&periods_at(mid)) > budget {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Targets {
+        periods: periods_at(hi)
+            .into_iter()
+            .map(Duration::from_secs_f64)
+            .collect(),
+        tail,
+        tail_target: Some(Duration::from_secs_f64(target)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(tail_share: f64) -> Limits {
+        Limits {
+            floor: Duration::from_secs(30),
+            cap: Duration::from_secs(300),
+            tail_share,
+        }
+    }
+
+    fn demand(rate: f64, tie: u64) -> Demand {
+        Demand {
+            rate,
+            cost: 1.0,
+            tie,
+        }
+    }
+
+    fn spent(targets: &Targets) -> f64 {
+        targets.periods.iter().map(|t| 1.0 / t.as_secs_f64()).sum()
+    }
+
+    #[test]
+    fn ln_gamma_matches_factorials() {
+        for (x, f) in [(1.0, 1.0f64), (2.0, 1.0), (5.0, 24.0), (11.0, 3_628_800.0)] {
+            assert!((ln_gamma(x) - f.ln()).abs() < 1e-9, "x = {x}");
+        }
+        assert!((ln_gamma(0.5) - std::f64::consts::PI.sqrt().ln()).abs() < 1e-9);
+    }
+
+    #[test]
+    fn an_ample_budget_puts_every_stream_at_the_floor() {
+        let demands: Vec<Demand> = (0..10).map(|i| demand(i as f64 / 100.0, i)).collect();
+        let targets = target_periods(&demands, Some(1.0), limits(0.9));
+        assert!(targets
+            .periods
+            .iter()
+            .all(|t| *t == Duration::from_secs(30)));
+        assert_eq!(targets.tail_target, None);
+        let unlimited = target_periods(&demands, None, limits(0.9));
+        assert!(unlimited
+            .periods
+            .iter()
+            .all(|t| *t == Duration::from_secs(30)));
+    }
+
+    /// 400 streams on 113 requests a minute, Zipf-skewed: the benchmark's shape.
+    fn skewed() -> Vec<Demand> {
+        (0..400u64)
+            .map(|i| {
+                let tenant = i / 2 + 1;
+                let rate = if tenant > 160 {
+                    0.0
+                } else {
+                    0.6 * (tenant as f64).powf(-1.1) / 4.6 * if i % 2 == 0 { 0.8 } else { 0.2 }
+                };
+                demand(rate, i.wrapping_mul(2_654_435_761) % 1_000_003)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_schedule_spends_the_budget_and_keeps_every_bound() {
+        let budget = 113.0 / 60.0;
+        let demands = skewed();
+        let targets = target_periods(&demands, Some(budget), limits(0.9));
+        let plannable = budget * SPEND_SHARE;
+        assert!(
+            spent(&targets) <= plannable * 1.0001,
+            "spent {}",
+            spent(&targets)
+        );
+        assert!(
+            spent(&targets) >= plannable * 0.99,
+            "spent {}",
+            spent(&targets)
+        );
+        let tail_target = targets.tail_target.unwrap();
+        let round = 400.0 / budget;
+        assert!((tail_target.as_secs_f64() - 0.9 * round).abs() < 0.5);
+        for (i, t) in targets.periods.iter().enumerate() {
+            assert!(*t >= Duration::from_secs(30) && *t <= Duration::from_secs(300));
+            if !targets.tail[i] {
+                assert!(*t <= tail_target, "stream {i} at {t:?}");
+            }
+        }
+        // The hottest stream polls at the floor-side, the idle ones at the cap.
+        assert!(
+            targets.periods[0] < Duration::from_secs(60),
+            "{:?}",
+            targets.periods[0]
+        );
+        assert!(targets.tail[399] && targets.periods[399] == Duration::from_secs(300));
+    }
+
+    #[test]
+    fn the_cold_tail_carries_at_most_the_allowed_excess_of_the_changes() {
+        let budget = 113.0 / 60.0;
+        let demands = skewed();
+        let targets = target_periods(&demands, Some(budget), limits(0.9));
+        let total: f64 = demands.iter().map(|d| d.rate).sum();
+        let tail_target = targets.tail_target.unwrap().as_secs_f64();
+        let excess: f64 = demands
+            .iter()
+            .zip(&targets.tail)
+            .filter(|(_, t)| **t)
+            .map(|(d, _)| d.rate / total * (1.0 - tail_target / 300.0))
+            .sum();
+        assert!(excess <= TAIL_EXCESS + 1e-12, "excess {excess}");
+        assert!(targets.tail.iter().filter(|t| **t).count() >= 80);
+    }
+
+    #[test]
+    fn without_a_tail_share_the_square_root_law_reaches_the_cap() {
+        let budget = 113.0 / 60.0;
+        let targets = target_periods(&skewed(), Some(budget), limits(0.0));
+        assert_eq!(targets.tail_target, Some(Duration::from_secs(300)));
+        // Period ratios follow sqrt(rate ratio) where neither bound binds.
+        let demands = skewed();
+        let (a, b) = (20, 40);
+        let expected = (demands[a].rate / demands[b].rate).sqrt();
+        let got = targets.periods[b].as_secs_f64() / targets.periods[a].as_secs_f64();
+        assert!(
+            (got - expected).abs() / expected < 0.01,
+            "{got} vs {expected}"
+        );
+    }
+
+    #[test]
+    fn a_budget_too_small_for_the_tail_target_raises_it_to_what_fits() {
+        let demands: Vec<Demand> = (0..100).map(|i| demand(0.01, i)).collect();
+        // 100 equal streams, 0.4 requests a second: a 250 s round, no cold tail to speak of.
+        let targets = target_periods(&demands, Some(0.4), limits(0.5));
+        assert!(spent(&targets) <= 0.4 * SPEND_SHARE * 1.0001);
+        let tail_target = targets.tail_target.unwrap().as_secs_f64();
+        assert!(
+            tail_target > 125.0 && tail_target <= 250.0 / SPEND_SHARE + 0.5,
+            "{tail_target}"
+        );
+    }
+
+    fn observed(tenant: TenantId, resource: Resource, changes: f64, seconds: f64) -> Observed {
+        Observed {
+            tenant,
+            resource,
+            changes,
+            seconds,
+        }
+    }
+
+    #[test]
+    fn rates_are_pooled_per_tenant_and_split_by_the_resources_share() {
+        let mut population = Population::default();
+        let mut streams = Vec::new();
+        for tenant in 1..=50u64 {
+            let n = if tenant <= 10 { 40.0 } else { 4.0 };
+            streams.push(observed(tenant, Resource::Vouchers, n * 0.8, 1000.0));
+            streams.push(observed(tenant, Resource::Categories, n * 0.2, 1000.0));
+        }
+        let rates = estimate_rates(&streams, &mut population);
+        // Hot tenants: about 40 changes in 1000 s, 80% on vouchers.
+        let hot = rates[0] + rates[1];
+        assert!((hot - 0.04).abs() < 0.006, "hot tenant {hot}");
+        assert!((rates[0] / hot - 0.8).abs() < 0.02);
+        let cold = rates[40] + rates[41];
+        assert!((cold - 0.004).abs() < 0.0015, "cold tenant {cold}");
+    }
+
+    #[test]
+    fn a_silent_tenant_among_busy_ones_is_not_taken_for_dead_and_one_change_is_not_taken_for_hot() {
+        let mut population = Population::default();
+        let mut streams = Vec::new();
+        // 99 tenants at about 6 changes in 600 s; tenant 100 silent; tenant 101 one change.
+        for tenant in 1..=99u64 {
+            streams.push(observed(
+                tenant,
+                Resource::Vouchers,
+                5.0 + (tenant % 3) as f64,
+                600.0,
+            ));
+        }
+        streams.push(observed(100, Resource::Vouchers, 0.0, 600.0));
+        streams.push(observed(101, Resource::Vouchers, 1.0, 600.0));
+        let rates = estimate_rates(&streams, &mut population);
+        let busy = 6.0 / 600.0;
+        assert!(rates[99] > busy * 0.3, "silent tenant {}", rates[99]);
+        assert!(
+            rates[100] > busy * 0.3 && rates[100] < busy,
+            "one change {}",
+            rates[100]
+        );
+        // Where silence is the norm, a silent tenant is estimated near zero.
+        let mut quiet_population = Population::default();
+        let quiet: Vec<Observed> = (1..=100u64)
+            .map(|t| {
+                observed(
+                    t,
+                    Resource::Vouchers,
+                    if t == 1 { 30.0 } else { 0.0 },
+                    3600.0,
+                )
+            })
+            .collect();
+        let rates = estimate_rates(&quiet, &mut quiet_population);
+        assert!(
+            rates[5] < 1.0 / 36_000.0,
+            "silent among silent {}",
+            rates[5]
+        );
+        assert!(rates[0] > 25.0 / 3600.0, "the one busy tenant {}", rates[0]);
+    }
+}
