@@ -81,22 +81,23 @@ struct Staged {
 }
 
 /// Catalog writes applied together as one sled batch; a key's last write wins.
+/// Keys and values are `IVec`s, as in a `sled::Batch`: the 18-byte keys are
+/// stored inline, and building the batch clones no value bytes.
 #[derive(Debug, Default)]
-struct Writes(BTreeMap<Vec<u8>, Option<Vec<u8>>>);
+struct Writes(BTreeMap<sled::IVec, Option<sled::IVec>>);
 
 impl Writes {
-    fn insert(&mut self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) {
-        self.0
-            .insert(key.as_ref().to_vec(), Some(value.as_ref().to_vec()));
+    fn insert(&mut self, key: impl AsRef<[u8]>, value: impl Into<sled::IVec>) {
+        self.0.insert(key.as_ref().into(), Some(value.into()));
     }
 
     fn remove(&mut self, key: impl AsRef<[u8]>) {
-        self.0.insert(key.as_ref().to_vec(), None);
+        self.0.insert(key.as_ref().into(), None);
     }
 
     /// The write of `key`: `Some(None)` when it is removed, None when untouched.
-    fn get(&self, key: &[u8]) -> Option<Option<&[u8]>> {
-        self.0.get(key).map(Option::as_deref)
+    fn get(&self, key: &[u8]) -> Option<Option<&sled::IVec>> {
+        self.0.get(key).map(Option::as_ref)
     }
 
     /// Adds `later`'s writes, which win over these.
@@ -108,8 +109,8 @@ impl Writes {
         let mut batch = sled::Batch::default();
         for (k, v) in &self.0 {
             match v {
-                Some(v) => batch.insert(&k[..], &v[..]),
-                None => batch.remove(&k[..]),
+                Some(v) => batch.insert(k.clone(), v.clone()),
+                None => batch.remove(k.clone()),
             }
         }
         batch
@@ -327,7 +328,7 @@ impl SledStore {
     fn read(&self, stream: StreamKey, k: &[u8]) -> Result<Option<sled::IVec>, StateError> {
         if let Some(staged) = lock(&self.staged).get(&stream) {
             if let Some(value) = staged.writes.get(k) {
-                return Ok(value.map(sled::IVec::from));
+                return Ok(value.cloned());
             }
         }
         self.catalog.get(k).map_err(|e| self.err(e))
