@@ -521,6 +521,8 @@ impl OnceProgress {
 }
 
 /// How `status` and `replay` reach the state.
+// One per command run: the store's size (its in-memory indexes) costs nothing here.
+#[allow(clippy::large_enum_variant)]
 enum Access {
     /// The store, opened directly (no daemon holds it).
     Store(SledStore, PathBuf),

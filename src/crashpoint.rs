@@ -22,8 +22,11 @@ pub mod names {
     pub const AFTER_INTENTS: &str = "sweep.after-intents";
     /// Every event of a page is acknowledged by the sink; nothing of the page is committed.
     pub const AFTER_PUBLISH: &str = "sweep.after-publish";
-    /// A page's hashes are committed (not necessarily flushed); the next page is not requested.
+    /// A page's hashes are committed (staged, not necessarily written to disk); the next page is not requested.
     pub const AFTER_COMMIT: &str = "sweep.after-commit";
+    /// The next page's intents are durable while an earlier page's commit is
+    /// still staged (not written): every event of that page is acknowledged.
+    pub const INTENTS_BEFORE_STAGED_COMMIT: &str = "store.intents-before-staged-commit";
     /// A full sweep's delete intents are written and durable; no delete was published.
     pub const AFTER_DELETE_INTENTS: &str = "sweep.after-delete-intents";
     /// Every delete of a chunk is acknowledged; the deletes are not committed.
@@ -31,10 +34,11 @@ pub mod names {
     /// A chunk of deletes is committed (not necessarily flushed).
     pub const AFTER_DELETE_COMMIT: &str = "sweep.after-delete-commit";
     /// Every crash point, for tests that arm each in turn.
-    pub const ALL: [&str; 6] = [
+    pub const ALL: [&str; 7] = [
         AFTER_INTENTS,
         AFTER_PUBLISH,
         AFTER_COMMIT,
+        INTENTS_BEFORE_STAGED_COMMIT,
         AFTER_DELETE_INTENTS,
         AFTER_DELETE_PUBLISH,
         AFTER_DELETE_COMMIT,

@@ -210,6 +210,30 @@ async fn delete_scenario(point: &'static str) {
         .await;
 }
 
+/// A crash in a first sync of 80 records (two pages of 50 and 30, in id
+/// order) once the second page's intents are durable while the first page's
+/// commit is still staged: every event of the first page is acknowledged and
+/// none of its hashes is on disk. Upstream then deletes records 3 and 4 of the
+/// first page; a full sweep converges: their intents survived, so their
+/// snapshots are followed by deletes (without them the snapshots would
+/// dangle), and the first page is published again with the same ids.
+async fn staged_commit_scenario(point: &'static str) {
+    let Some(world) = World::start(point).await else {
+        return;
+    };
+    world.run_until_crash(&world.incremental);
+    for id in [3, 4] {
+        assert!(world.sim.delete(TENANT, VOUCHERS, id));
+    }
+    world.run_clean(&world.full, "restart");
+    world
+        .assert_converged(
+            "first sync interrupted with page 1 acknowledged and its commit staged; \
+             then 3 and 4 (page 1) deleted",
+        )
+        .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_after_the_intents_are_written_loses_no_change() {
     page_scenario(names::AFTER_INTENTS).await;
@@ -240,12 +264,18 @@ async fn a_crash_right_after_the_delete_commit_loses_no_change() {
     delete_scenario(names::AFTER_DELETE_COMMIT).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_while_a_page_commit_is_staged_behind_the_next_pages_intents_loses_no_change() {
+    staged_commit_scenario(names::INTENTS_BEFORE_STAGED_COMMIT).await;
+}
+
 #[test]
 fn every_crash_point_has_a_scenario() {
     let covered = [
         names::AFTER_INTENTS,
         names::AFTER_PUBLISH,
         names::AFTER_COMMIT,
+        names::INTENTS_BEFORE_STAGED_COMMIT,
         names::AFTER_DELETE_INTENTS,
         names::AFTER_DELETE_PUBLISH,
         names::AFTER_DELETE_COMMIT,

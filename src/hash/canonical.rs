@@ -69,14 +69,29 @@ pub(super) fn escape_key(key: &str) -> Vec<u8> {
 /// Reusable buffers, so hashing a record allocates nothing in steady state.
 #[derive(Default)]
 struct Scratch {
-    /// Canonical output.
+    /// Canonical output: first in input member order, then (when some object
+    /// was out of order) written once more in key order.
     out: Vec<u8>,
     /// Member spans of the objects currently open, innermost last.
     members: Vec<Member>,
-    /// Copy of an unsorted object's members while they are reordered.
-    reorder: Vec<u8>,
+    /// Every non-empty object parsed, in the order they open (see [`Object`]).
+    objects: Vec<Object>,
+    /// The members of each out-of-order object, sorted by key.
+    sorted: Vec<Member>,
+    /// The output in key order, written from `out` by [`emit_sorted`] when
+    /// some object was out of order, then swapped with `out`.
+    resorted: Vec<u8>,
+    /// (key prefix, position) of the members of the object being sorted.
+    order: Vec<u128>,
     /// Number digits while a number is normalised.
     digits: Vec<u8>,
+    /// Tests: sort each object in place when it closes, as earlier versions
+    /// did (copying it out and back at every level), to compare against.
+    #[cfg(test)]
+    eager: bool,
+    /// Tests: copy of an unsorted object's members while they are reordered in place.
+    #[cfg(test)]
+    reorder: Vec<u8>,
 }
 
 impl Scratch {
@@ -85,11 +100,19 @@ impl Scratch {
         if self.out.capacity() > KEEP {
             self.out = Vec::new();
         }
-        if self.reorder.capacity() > KEEP {
-            self.reorder = Vec::new();
+        if self.resorted.capacity() > KEEP {
+            self.resorted = Vec::new();
         }
-        if self.members.capacity() > KEEP / 16 {
-            self.members = Vec::new();
+        for spans in [&mut self.members, &mut self.sorted] {
+            if spans.capacity() > KEEP / 32 {
+                *spans = Vec::new();
+            }
+        }
+        if self.objects.capacity() > KEEP / 32 {
+            self.objects = Vec::new();
+        }
+        if self.order.capacity() > KEEP / 32 {
+            self.order = Vec::new();
         }
     }
 }
@@ -103,6 +126,10 @@ struct Member {
     key_end: u32,
     /// End of the value.
     end: u32,
+    /// The objects opened inside the value: `Scratch::objects[objects_lo..objects_hi]`.
+    objects_lo: u32,
+    /// See `objects_lo`.
+    objects_hi: u32,
     /// The key's first eight bytes, big-endian, zero-padded: orders most keys
     /// without touching the bytes again.
     prefix: u64,
@@ -111,6 +138,50 @@ struct Member {
 impl Member {
     fn key<'a>(&self, out: &'a [u8]) -> &'a [u8] {
         &out[self.start as usize + 1..self.key_end as usize - 1]
+    }
+}
+
+/// One non-empty object as written to `Scratch::out` in input order.
+#[derive(Clone, Copy)]
+struct Object {
+    /// Start of its members (just after the `{`).
+    body_start: u32,
+    /// End of its members (the `}`).
+    body_end: u32,
+    /// Index in `Scratch::objects` after the last object nested in it.
+    skip: u32,
+    /// Its members in key order, `Scratch::sorted[sorted_lo..sorted_hi]`;
+    /// an empty range when they already were in key order.
+    sorted_lo: u32,
+    /// See `sorted_lo`.
+    sorted_hi: u32,
+}
+
+#[cfg(test)]
+impl Scratch {
+    /// Rewrites the members of the object starting at `object_start` in key
+    /// order, in place: the reorder of earlier versions, kept for tests to
+    /// compare the single write in key order against.
+    fn reorder_in_place(&mut self, object_start: usize, first_member: usize) {
+        let body_start = object_start + 1;
+        self.reorder.clear();
+        self.reorder.extend_from_slice(&self.out[body_start..]);
+        let copy = &self.reorder;
+        let members = &mut self.members[first_member..];
+        let offset = body_start as u32;
+        members.sort_by(|a, b| {
+            let ka = &copy[(a.start - offset) as usize + 1..(a.key_end - offset) as usize - 1];
+            let kb = &copy[(b.start - offset) as usize + 1..(b.key_end - offset) as usize - 1];
+            cmp_keys(a.prefix, ka, b.prefix, kb)
+        });
+        self.out.truncate(body_start);
+        for (i, m) in members.iter().enumerate() {
+            if i > 0 {
+                self.out.push(b',');
+            }
+            self.out
+                .extend_from_slice(&copy[(m.start - offset) as usize..(m.end - offset) as usize]);
+        }
     }
 }
 
@@ -135,6 +206,8 @@ fn cmp_keys(a_prefix: u64, a: &[u8], b_prefix: u64, b: &[u8]) -> std::cmp::Order
 fn canonicalize(scratch: &mut Scratch, raw: &str, ignore: &IgnoreKeys) -> Result<(), HashError> {
     scratch.out.clear();
     scratch.members.clear();
+    scratch.objects.clear();
+    scratch.sorted.clear();
     if raw.len() >= u32::MAX as usize / 2 {
         return Err(HashError::InvalidJson {
             offset: 0,
@@ -153,7 +226,111 @@ fn canonicalize(scratch: &mut Scratch, raw: &str, ignore: &IgnoreKeys) -> Result
     if parser.pos != parser.input.len() {
         return Err(parser.error("trailing characters after the json value"));
     }
+    if !scratch.sorted.is_empty() {
+        // Some object was out of order: write everything once more, each
+        // object's members in key order, nested objects included.
+        let Scratch {
+            out,
+            objects,
+            sorted,
+            resorted,
+            ..
+        } = scratch;
+        resorted.clear();
+        resorted.reserve(out.len());
+        let all = Span {
+            start: 0,
+            end: out.len() as u32,
+            objects_lo: 0,
+            objects_hi: objects.len() as u32,
+        };
+        emit_sorted(out, objects, sorted, all, resorted);
+        std::mem::swap(out, resorted);
+    }
     Ok(())
+}
+
+/// Appends `members` to `sorted` in key order; stable: duplicate keys keep
+/// their input order.
+///
+/// Sorts (key prefix, position) pairs, which orders every key whose first
+/// eight bytes differ from its neighbours' without touching the key bytes or
+/// moving the spans; only runs of equal prefixes are then ordered by the whole
+/// key (a prefix tie of keys of at most eight bytes is an equal key).
+fn sort_members(out: &[u8], members: &[Member], order: &mut Vec<u128>, sorted: &mut Vec<Member>) {
+    order.clear();
+    order.extend(
+        members
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (u128::from(m.prefix) << 64) | i as u128),
+    );
+    // Positions are unique, so this is the stable order by prefix.
+    order.sort_unstable();
+    let prefix = |o: u128| (o >> 64) as u64;
+    let member = |o: u128| &members[o as u64 as usize];
+    let mut run = 0;
+    while run < order.len() {
+        let end = run
+            + order[run..]
+                .iter()
+                .take_while(|&&o| prefix(o) == prefix(order[run]))
+                .count();
+        if end - run > 1 {
+            // In position order already, and `sort_by` is stable.
+            order[run..end].sort_by(|&a, &b| member(a).key(out).cmp(member(b).key(out)));
+        }
+        run = end;
+    }
+    sorted.extend(order.iter().map(|&o| *member(o)));
+}
+
+/// A range of `Scratch::out` and the objects opened inside it.
+#[derive(Clone, Copy)]
+struct Span {
+    start: u32,
+    end: u32,
+    objects_lo: u32,
+    objects_hi: u32,
+}
+
+/// Copies `span` of `out` (written in input order) to `dest`, writing the
+/// members of every out-of-order object inside it in key order; recurses
+/// into those members (at most one level per nesting level, so at most
+/// [`MAX_DEPTH`] deep). Each byte is copied once.
+fn emit_sorted(out: &[u8], objects: &[Object], sorted: &[Member], span: Span, dest: &mut Vec<u8>) {
+    let mut pos = span.start as usize;
+    let mut i = span.objects_lo as usize;
+    while i < span.objects_hi as usize {
+        let object = objects[i];
+        if object.sorted_lo == object.sorted_hi {
+            // In order: copied as it is; objects nested in it come next.
+            i += 1;
+            continue;
+        }
+        dest.extend_from_slice(&out[pos..object.body_start as usize]);
+        let members = &sorted[object.sorted_lo as usize..object.sorted_hi as usize];
+        for (n, m) in members.iter().enumerate() {
+            if n > 0 {
+                dest.push(b',');
+            }
+            if m.objects_lo == m.objects_hi {
+                // No object inside: the member is final as parsed.
+                dest.extend_from_slice(&out[m.start as usize..m.end as usize]);
+                continue;
+            }
+            let member = Span {
+                start: m.start,
+                end: m.end,
+                objects_lo: m.objects_lo,
+                objects_hi: m.objects_hi,
+            };
+            emit_sorted(out, objects, sorted, member, dest);
+        }
+        pos = object.body_end as usize;
+        i = object.skip as usize;
+    }
+    dest.extend_from_slice(&out[pos..span.end as usize]);
 }
 
 struct Parser<'a, 's> {
@@ -253,6 +430,14 @@ impl Parser<'_, '_> {
             self.scratch.out.push(b'}');
             return Ok(());
         }
+        let index = self.scratch.objects.len();
+        self.scratch.objects.push(Object {
+            body_start: object_start as u32 + 1,
+            body_end: 0,
+            skip: 0,
+            sorted_lo: 0,
+            sorted_hi: 0,
+        });
         let mut sorted = true;
         loop {
             self.skip_ws();
@@ -260,6 +445,8 @@ impl Parser<'_, '_> {
                 return Err(self.error("expected a string key in object"));
             }
             let separator_at = self.scratch.out.len();
+            let objects_lo = self.scratch.objects.len();
+            let sorted_at = self.scratch.sorted.len();
             let written = self.scratch.members.len() - first_member;
             if written > 0 {
                 self.scratch.out.push(b',');
@@ -280,10 +467,15 @@ impl Parser<'_, '_> {
                 start: start as u32,
                 key_end: key_end as u32,
                 end: self.scratch.out.len() as u32,
+                objects_lo: objects_lo as u32,
+                objects_hi: self.scratch.objects.len() as u32,
                 prefix: key_prefix(key),
             };
             if self.ignore.contains(key) {
+                // Dropped with every object nested in its value.
                 self.scratch.out.truncate(separator_at);
+                self.scratch.objects.truncate(objects_lo);
+                self.scratch.sorted.truncate(sorted_at);
             } else {
                 if let Some(last) = self.scratch.members[first_member..].last() {
                     let out = &self.scratch.out;
@@ -304,40 +496,44 @@ impl Parser<'_, '_> {
                 None => return Err(self.error("unexpected end of input inside an object")),
             }
         }
-        if !sorted {
-            self.reorder(object_start, first_member);
-        }
-        self.scratch.members.truncate(first_member);
-        self.scratch.out.push(b'}');
-        Ok(())
+        let scratch = &mut *self.scratch;
+        let (sorted_lo, sorted_hi) = if sorted {
+            (0, 0)
+        } else {
+            #[cfg(test)]
+            if scratch.eager {
+                scratch.reorder_in_place(object_start, first_member);
+                return self.close_object(index, first_member, (0, 0));
+            }
+            let lo = scratch.sorted.len();
+            sort_members(
+                &scratch.out,
+                &scratch.members[first_member..],
+                &mut scratch.order,
+                &mut scratch.sorted,
+            );
+            (lo as u32, scratch.sorted.len() as u32)
+        };
+        self.close_object(index, first_member, (sorted_lo, sorted_hi))
     }
 
-    /// Rewrites the members of the object starting at `object_start` in key order.
-    fn reorder(&mut self, object_start: usize, first_member: usize) {
+    /// Ends the object `index`, whose members start at `first_member`.
+    fn close_object(
+        &mut self,
+        index: usize,
+        first_member: usize,
+        (sorted_lo, sorted_hi): (u32, u32),
+    ) -> Result<(), HashError> {
         let scratch = &mut *self.scratch;
-        let body_start = object_start + 1;
-        scratch.reorder.clear();
-        scratch
-            .reorder
-            .extend_from_slice(&scratch.out[body_start..]);
-        let copy = &scratch.reorder;
-        let members = &mut scratch.members[first_member..];
-        let offset = body_start as u32;
-        // Stable: duplicate keys keep their input order.
-        members.sort_by(|a, b| {
-            let ka = &copy[(a.start - offset) as usize + 1..(a.key_end - offset) as usize - 1];
-            let kb = &copy[(b.start - offset) as usize + 1..(b.key_end - offset) as usize - 1];
-            cmp_keys(a.prefix, ka, b.prefix, kb)
-        });
-        scratch.out.truncate(body_start);
-        for (i, m) in members.iter().enumerate() {
-            if i > 0 {
-                scratch.out.push(b',');
-            }
-            scratch
-                .out
-                .extend_from_slice(&copy[(m.start - offset) as usize..(m.end - offset) as usize]);
-        }
+        let skip = scratch.objects.len() as u32;
+        let object = &mut scratch.objects[index];
+        object.body_end = scratch.out.len() as u32;
+        object.skip = skip;
+        object.sorted_lo = sorted_lo;
+        object.sorted_hi = sorted_hi;
+        scratch.members.truncate(first_member);
+        scratch.out.push(b'}');
+        Ok(())
     }
 
     fn string(&mut self) -> Result<(), HashError> {
@@ -679,6 +875,32 @@ mod tests {
     }
 
     #[test]
+    fn objects_out_of_order_at_every_level_are_written_in_key_order_once() {
+        let ignore = IgnoreKeys::new(["updated_at"]);
+        let raw = r#"{"z":{"d":[{"y":1,"x":{"q":2,"p":3}},{"a":0}],"c":{}},
+            "updated_at":{"b":1,"a":{"d":1,"c":2}},"m":[{"k":1,"j":{"l":1,"i":2}}],
+            "a":{"b":2,"b":1,"a":[{"c":1,"b":2}]}}"#;
+        let expected = concat!(
+            r#"{"a":{"a":[{"b":2,"c":1}],"b":2,"b":1},"m":[{"j":{"i":2,"l":1},"k":1}],"#,
+            r#""z":{"c":{},"d":[{"x":{"p":3,"q":2},"y":1},{"a":0}]}}"#
+        );
+        for eager in [false, true] {
+            let out = canonical_with(raw, &ignore, eager).unwrap();
+            assert_eq!(String::from_utf8(out).unwrap(), expected, "eager: {eager}");
+        }
+        // An object in order around objects out of order, and the reverse.
+        let out = canonical_with(
+            r#"[{"a":{"c":1,"b":2},"b":[{"e":1,"d":2}]},{"b":{"a":1},"a":2}]"#,
+            &ignore,
+            false,
+        );
+        assert_eq!(
+            String::from_utf8(out.unwrap()).unwrap(),
+            r#"[{"a":{"b":2,"c":1},"b":[{"d":2,"e":1}]},{"a":2,"b":{"a":1}}]"#
+        );
+    }
+
+    #[test]
     fn keys_sharing_their_first_eight_bytes_are_ordered_by_the_key_alone() {
         // The eight-byte prefixes tie, so the reorder compares whole keys; a
         // key that is a prefix of another sorts first, whatever byte follows
@@ -704,16 +926,26 @@ mod tests {
         let len = canonicalize_then(&mut scratch, small, &IgnoreKeys::none(), |b| b.len());
         assert_eq!(len.unwrap(), small.len());
         assert!(scratch.out.capacity() > 0);
-        assert!(scratch.reorder.capacity() > 0);
+        assert!(scratch.resorted.capacity() > 0);
         assert!(scratch.members.capacity() > 0);
-        // Over 1 MiB of output and reorder copy, over 64 Ki members.
-        let members: Vec<String> = (0..120_000).rev().map(|i| format!("\"k{i}\":1")).collect();
-        let huge = format!("{{{}}}", members.join(","));
+        assert!(scratch.sorted.capacity() > 0);
+        assert!(scratch.objects.capacity() > 0);
+        assert!(scratch.order.capacity() > 0);
+        // Over 1 MiB of output in both orders, over 32 Ki members and objects.
+        let members: Vec<String> = (0..120_000)
+            .rev()
+            .map(|i| format!("\"k{i}\":{{}}"))
+            .collect();
+        let objects: Vec<String> = (0..40_000).map(|_| "{\"a\":1}".to_string()).collect();
+        let huge = format!("{{{},\"z\":[{}]}}", members.join(","), objects.join(","));
         let len = canonicalize_then(&mut scratch, &huge, &IgnoreKeys::none(), |b| b.len());
         assert_eq!(len.unwrap(), huge.len());
         assert_eq!(scratch.out.capacity(), 0);
-        assert_eq!(scratch.reorder.capacity(), 0);
+        assert_eq!(scratch.resorted.capacity(), 0);
         assert_eq!(scratch.members.capacity(), 0);
+        assert_eq!(scratch.sorted.capacity(), 0);
+        assert_eq!(scratch.objects.capacity(), 0);
+        assert_eq!(scratch.order.capacity(), 0);
     }
 
     #[test]
@@ -954,6 +1186,37 @@ mod tests {
         })
     }
 
+    /// Like [`json_strategy`], with duplicate keys and ignored keys (whose
+    /// values may be objects and arrays) allowed.
+    fn loose_json_strategy() -> impl Strategy<Value = J> {
+        let leaf = prop_oneof![
+            Just(J::Null),
+            (any::<bool>(), 0u64..1000, -3i32..3).prop_map(|(n, m, e)| J::Num(n, m, e)),
+            "[a-c\\\\\"é]{0,3}".prop_map(J::Str),
+        ];
+        let key = prop_oneof![
+            "[ab]{1,2}",
+            Just("updated_at".to_string()),
+            "[a-c\\\\\"é\n]{0,9}",
+        ];
+        leaf.prop_recursive(5, 64, 6, move |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(J::Arr),
+                prop::collection::vec((key.clone(), inner), 0..7).prop_map(J::Obj),
+            ]
+        })
+    }
+
+    /// The canonical form written by this version (`eager` false) or by
+    /// sorting each object in place as it closes (`eager` true).
+    fn canonical_with(raw: &str, ignore: &IgnoreKeys, eager: bool) -> Result<Vec<u8>, HashError> {
+        let mut scratch = Scratch {
+            eager,
+            ..Scratch::default()
+        };
+        canonicalize_then(&mut scratch, raw, ignore, <[u8]>::to_vec)
+    }
+
     /// Renders `j` as JSON; with `rng`, varies key order, number notation,
     /// string escapes and whitespace, and adds ignored keys.
     fn render(j: &J, rng: &mut Option<StdRng>, out: &mut String) {
@@ -1166,6 +1429,22 @@ mod tests {
             let mut out = Vec::new();
             canonical_json(&noisy(&j, seed), &IgnoreKeys::none(), &mut out).unwrap();
             prop_assert!(serde_json::from_slice::<serde_json::Value>(&out).is_ok(), "{}", String::from_utf8_lossy(&out));
+        }
+
+        #[test]
+        fn writing_objects_once_in_key_order_gives_the_bytes_of_sorting_each_in_place(
+            j in loose_json_strategy(), seed in any::<u64>()
+        ) {
+            let text = noisy(&j, seed);
+            let ignore = IgnoreKeys::new(["updated_at", "b"]);
+            let once = canonical_with(&text, &ignore, false).unwrap();
+            let in_place = canonical_with(&text, &ignore, true).unwrap();
+            prop_assert_eq!(
+                String::from_utf8_lossy(&once),
+                String::from_utf8_lossy(&in_place),
+                "{}",
+                text
+            );
         }
 
         #[test]

@@ -20,6 +20,9 @@ pub(crate) struct StreamJournal {
     entries: BTreeMap<u64, Vec<(i64, Intent)>>,
     /// Record id to the entry holding its (newest) intent.
     by_id: HashMap<i64, u64>,
+    /// Lowest sequence number never used: an entry removed by a commit that
+    /// is staged, not yet written, must not be written again under its number.
+    unused_seq: u64,
 }
 
 /// Entries to rewrite (`Some`) or remove (`None`), plus an optional new entry.
@@ -53,6 +56,7 @@ impl StreamJournal {
                 journal.by_id.insert(*id, seq);
             }
             journal.entries.insert(seq, intents);
+            journal.unused_seq = journal.unused_seq.max(seq.saturating_add(1));
         }
         (journal, plan)
     }
@@ -62,6 +66,7 @@ impl StreamJournal {
         self.entries
             .last_key_value()
             .map_or(0, |(seq, _)| seq.saturating_add(1))
+            .max(self.unused_seq)
     }
 
     /// Every pending intent, by id.
@@ -130,6 +135,7 @@ impl StreamJournal {
                 }
                 self.entries.insert(*seq, intents.clone());
             }
+            self.unused_seq = self.unused_seq.max(seq.saturating_add(1));
         }
     }
 }
@@ -187,6 +193,17 @@ mod tests {
         journal.apply(&plan);
         assert!(journal.plan_removal([1, 2].into_iter()).changes.is_empty());
         assert!(journal.pending().is_empty());
+    }
+
+    #[test]
+    fn a_sequence_number_is_never_used_twice_even_after_its_entry_is_removed() {
+        let mut journal = StreamJournal::default();
+        let (plan, first) = journal.plan_append(&[(1, intent(1))]);
+        journal.apply(&plan);
+        journal.apply(&journal.plan_removal([1].into_iter()));
+        assert!(journal.pending().is_empty());
+        let (_, second) = journal.plan_append(&[(2, intent(2))]);
+        assert_eq!((first, second), (0, 1));
     }
 
     #[test]

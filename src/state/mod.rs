@@ -314,7 +314,9 @@ pub trait StateStore: Send + Sync + 'static {
     /// committed id loses a mark it had), replace their stored versions by the
     /// page's (a record committed without one keeps none), and set
     /// `seen_epoch = epoch` on the `seen` ids that exist (unchanged records
-    /// seen by a full sweep).
+    /// seen by a full sweep). Every read sees it when this returns; it may
+    /// reach the disk later (by the next `flush` or `save_stream` of the
+    /// stream at the latest), after the intents of later pages.
     fn commit_page(&self, key: StreamKey, page: &Acked<PageCommit>) -> Result<(), StateError>;
     /// The stream's dead-lettered records, in id order.
     fn dead_letters(&self, key: StreamKey) -> Result<Vec<(i64, DeadLetter)>, StateError>;
