@@ -14,18 +14,20 @@
 //!    overdue first;
 //! 2. first syncs and replays (their whole catalog is missing downstream), so
 //!    a first sync of many streams finishes close to its floor;
-//! 3. every other ready stream by the index `rate × age² / cost`: the
-//!    expected change-to-event latency a poll saves per request spent. Polling
-//!    a stream when its index reaches a common threshold gives each stream the
-//!    period `T ∝ sqrt(cost / rate)`, the optimum for Poisson changes (Cho and
-//!    Garcia-Molina 2003).
+//! 3. every other ready stream by its deadline, its last poll plus its
+//!    target period, earliest first (work-conserving: a budget the targets
+//!    leave unspent polls the next streams a little early).
 //!
-//! The rate of each stream is learnt from what its incremental polls found
-//! (records that really changed, not the lookback overlap), from a neutral
-//! prior, with a short memory so a stream that turns hot or quiet is followed
-//! within a few polls. When the budget covers every stream every
-//! `poll.interval`, every ready stream is granted at once: the schedule is
-//! the uniform one.
+//! The target periods ([`targets`]) follow the square-root law
+//! `T ∝ sqrt(cost / rate)` (Cho and Garcia-Molina 2003) under a tail target
+//! (`poll.tail_guard` x the round a uniform schedule would take), with the
+//! coldest streams, whose changes are too few to move the p99, held only to
+//! the cap. Rates are learnt from the changes the upstream announced since
+//! each stream's previous listing, with a long memory, pooled per tenant and
+//! shrunk toward the token's population of tenants (empirical Bayes); a
+//! stream that turns hot is followed within a few polls. When the budget
+//! covers every stream every `poll.interval`, every target is the floor:
+//! the schedule is the uniform one.
 //!
 //! The core ([`PlannerCore`]) is pure and driven with explicit instants; the
 //! async [`Planner`] around it wakes waiting streams.
