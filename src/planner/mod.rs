@@ -203,14 +203,9 @@ impl LongRate {
 
     /// Adds `changes` seen over `window`, at `now`.
     fn observe(&mut self, changes: u64, window: Duration, now: Instant) {
-        if let Some(at) = self.at {
-            let elapsed = now.saturating_duration_since(at).as_secs_f64();
-            let decay = 0.5f64.powf(elapsed / LONG_HALF_LIFE.as_secs_f64());
-            self.changes *= decay;
-            self.seconds *= decay;
-        }
-        self.changes += changes as f64;
-        self.seconds += window.as_secs_f64();
+        let (decayed_changes, decayed_seconds) = self.decayed(now);
+        self.changes = decayed_changes + changes as f64;
+        self.seconds = decayed_seconds + window.as_secs_f64();
         self.at = Some(now);
     }
 
@@ -392,9 +387,12 @@ impl PlannerCore {
     /// The period `key` is planned to be polled at: its target (the floor
     /// before the first plan), never above the staleness cap.
     pub fn poll_bound(&self, key: StreamKey) -> Duration {
-        self.streams
-            .get(&key)
-            .and_then(|p| p.target)
+        self.bound_of(self.streams.get(&key))
+    }
+
+    /// The target of a stream's plan (the floor before the first plan), at most the cap.
+    fn bound_of(&self, plan: Option<&StreamPlan>) -> Duration {
+        plan.and_then(|p| p.target)
             .unwrap_or(self.settings.interval)
             .min(self.settings.max_interval)
     }
@@ -421,10 +419,9 @@ impl PlannerCore {
 
     /// `key` is ready from `ready_at` on and asks for `need`.
     pub fn ask(&mut self, key: StreamKey, need: Need, ready_at: Instant) {
-        if !self.streams.contains_key(&key) {
-            // A stream the plan does not know yet: plan again at the next grant.
-            self.planned_at = None;
-        }
+        // A stream the plan does not know yet goes as a snapshot first and is
+        // planned at the next plan, at most REPLAN_EVERY later: no plan per
+        // new stream (a daemon of 400 streams would plan 400 times at start).
         let plan = self.streams.entry(key).or_insert_with(StreamPlan::new);
         plan.ready_at = Some(ready_at);
         plan.need = Some(need);
@@ -499,7 +496,7 @@ impl PlannerCore {
                 if age >= cap {
                     return (TIER_OVERDUE, age.as_secs_f64());
                 }
-                let target = plan.target.unwrap_or(self.settings.interval).min(cap);
+                let target = self.bound_of(Some(plan));
                 let late = age.as_secs_f64() - target.as_secs_f64();
                 (if late >= 0.0 { TIER_DUE } else { 0 }, late)
             }
@@ -1406,12 +1403,7 @@ mod tests {
         let cold = key(12);
         // Both last polled at `at`; the hot one's deadline comes first.
         assert!(core.poll_bound(hot) < core.poll_bound(cold));
-        for k in [hot, cold] {
-            core.ask(k, Need::Poll { full_due: false }, at);
-            core.grant(at, false);
-            core.take_grant(k);
-            core.finished(k, Grant::Poll, facts(at, 0));
-        }
+        poll_round(&mut core, &[hot, cold], at, |_| 0);
         let later = at + core.poll_bound(cold);
         core.ask(cold, Need::Poll { full_due: false }, at + secs(5));
         core.ask(hot, Need::Poll { full_due: false }, at + secs(5));

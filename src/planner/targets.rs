@@ -21,6 +21,7 @@
 //!    square-root law (Cho and Garcia-Molina 2003) between the floor and the
 //!    tail target.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::stream::{Resource, TenantId};
@@ -95,46 +96,38 @@ pub fn estimate_rates(streams: &[Observed], population: &mut Population) -> Vec<
         return Vec::new();
     }
     // Each resource's share of the token's changes (one pseudo-change each).
-    let mut resources: Vec<(Resource, f64, f64)> = Vec::new();
+    let mut resources: BTreeMap<Resource, (f64, f64)> = BTreeMap::new();
     for s in streams {
-        match resources.iter_mut().find(|(r, _, _)| *r == s.resource) {
-            Some((_, changes, seconds)) => {
-                *changes += s.changes;
-                *seconds += s.seconds;
-            }
-            None => resources.push((s.resource, s.changes, s.seconds)),
-        }
+        let (changes, seconds) = resources.entry(s.resource).or_default();
+        *changes += s.changes;
+        *seconds += s.seconds;
     }
     // A resource's rate per stream, relative to the others: its share of a tenant's changes.
-    let per_stream: Vec<f64> = resources
+    let per_stream: BTreeMap<Resource, f64> = resources
         .iter()
-        .map(|(_, changes, seconds)| (changes + 1.0) / seconds.max(1.0))
+        .map(|(r, (changes, seconds))| (*r, (changes + 1.0) / seconds.max(1.0)))
         .collect();
-    let total: f64 = per_stream.iter().sum();
-    let share = |resource: Resource| {
-        resources
-            .iter()
-            .position(|(r, _, _)| *r == resource)
-            .map_or(0.0, |i| per_stream[i] / total)
-    };
+    let total: f64 = per_stream.values().sum();
+    let share = |resource: Resource| per_stream.get(&resource).map_or(0.0, |r| r / total);
     // Tenants: changes and exposure (seconds weighted by the resource's share).
-    let mut tenants: Vec<(TenantId, f64, f64)> = Vec::new();
+    let mut tenants: BTreeMap<TenantId, (f64, f64)> = BTreeMap::new();
     for s in streams {
-        let exposure = s.seconds * share(s.resource);
-        match tenants.iter_mut().find(|(t, _, _)| *t == s.tenant) {
-            Some((_, n, e)) => {
-                *n += s.changes;
-                *e += exposure;
-            }
-            None => tenants.push((s.tenant, s.changes, exposure)),
-        }
+        let (n, exposure) = tenants.entry(s.tenant).or_default();
+        *n += s.changes;
+        *exposure += s.seconds * share(s.resource);
     }
-    let posterior = posterior_means(&tenants, population);
+    let counts: Vec<(f64, f64)> = tenants.values().copied().collect();
+    let posterior: BTreeMap<TenantId, f64> = tenants
+        .keys()
+        .copied()
+        .zip(posterior_means(&counts, population))
+        .collect();
     streams
         .iter()
         .map(|s| {
-            let tenant = tenants.iter().position(|(t, _, _)| *t == s.tenant);
-            tenant.map_or(0.0, |i| posterior[i]) * share(s.resource)
+            posterior
+                .get(&s.tenant)
+                .map_or(0.0, |rate| rate * share(s.resource))
         })
         .collect()
 }
@@ -142,12 +135,12 @@ pub fn estimate_rates(streams: &[Observed], population: &mut Population) -> Vec<
 /// Refits `population` to the tenants' (changes, exposure) and returns each
 /// tenant's posterior mean rate. Counts are decayed, so not integers: the
 /// Poisson likelihood is taken with `lgamma`.
-fn posterior_means(tenants: &[(TenantId, f64, f64)], population: &mut Population) -> Vec<f64> {
-    let grid = population.grid.clone();
+fn posterior_means(tenants: &[(f64, f64)], population: &mut Population) -> Vec<f64> {
+    let grid = &population.grid;
     // Log-likelihood of each tenant's count at each grid rate.
     let likelihood: Vec<Vec<f64>> = tenants
         .iter()
-        .map(|(_, n, exposure)| {
+        .map(|(n, exposure)| {
             let row: Vec<f64> = grid
                 .iter()
                 .map(|rate| {
@@ -201,7 +194,7 @@ fn posterior_means(tenants: &[(TenantId, f64, f64)], population: &mut Population
             }
             row.iter()
                 .zip(&population.weights)
-                .zip(&grid)
+                .zip(grid)
                 .map(|((l, w), rate)| l * w * rate)
                 .sum::<f64>()
                 / evidence
