@@ -419,9 +419,10 @@ impl PlannerCore {
 
     /// `key` is ready from `ready_at` on and asks for `need`.
     pub fn ask(&mut self, key: StreamKey, need: Need, ready_at: Instant) {
-        // A stream the plan does not know yet goes as a snapshot first and is
-        // planned at the next plan, at most REPLAN_EVERY later: no plan per
-        // new stream (a daemon of 400 streams would plan 400 times at start).
+        if !self.streams.contains_key(&key) {
+            // A stream the plan does not know yet: plan again at the next grant.
+            self.planned_at = None;
+        }
         let plan = self.streams.entry(key).or_insert_with(StreamPlan::new);
         plan.ready_at = Some(ready_at);
         plan.need = Some(need);
