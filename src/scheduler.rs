@@ -710,12 +710,14 @@ impl Turn {
                 completed: true,
                 changed: report.announced,
                 requests: report.pages,
+                history: report.history.evidence(),
             },
             _ => SweepFacts {
                 started: self.started,
                 completed: false,
                 changed: 0,
                 requests: 0,
+                history: None,
             },
         }
     }

@@ -41,10 +41,12 @@ use tokio::time::Instant;
 
 use crate::stream::{Resource, StreamKey};
 
+pub mod history;
 pub mod targets;
 
 use crate::telemetry::metric;
 use crate::upstream::ratelimit::{BudgetState, RateBudget};
+use history::Evidence;
 use targets::{estimate_rates, target_periods, Demand, Limits, Observed, Population};
 
 /// Rank of a stream past the staleness cap (first).
@@ -139,7 +141,7 @@ pub enum Grant {
 }
 
 /// How a granted sweep ended, as the planner learns from it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SweepFacts {
     /// When the sweep started.
     pub started: Instant,
@@ -151,6 +153,9 @@ pub struct SweepFacts {
     pub changed: u64,
     /// Upstream requests the sweep spent.
     pub requests: u64,
+    /// What a first sync's `updated_at` values show of the stream's changes
+    /// before it ([`history`]); None for every other sweep.
+    pub history: Option<Evidence>,
 }
 
 /// The recent change rate of one stream (a memory of a few polls), with a
@@ -201,11 +206,11 @@ impl LongRate {
         }
     }
 
-    /// Adds `changes` seen over `window`, at `now`.
-    fn observe(&mut self, changes: u64, window: Duration, now: Instant) {
+    /// Adds `changes` seen over `seconds` of the stream, at `now`.
+    fn observe(&mut self, changes: f64, seconds: f64, now: Instant) {
         let (decayed_changes, decayed_seconds) = self.decayed(now);
-        self.changes = decayed_changes + changes as f64;
-        self.seconds = decayed_seconds + window.as_secs_f64();
+        self.changes = decayed_changes + changes;
+        self.seconds = decayed_seconds + seconds;
         self.at = Some(now);
     }
 
@@ -458,12 +463,20 @@ impl PlannerCore {
             // A snapshot (first sync, replay) emits everything: it says nothing of the rate.
             if plan.need != Some(Need::Snapshot) {
                 plan.rate.observe(facts.changed, window);
-                plan.long.observe(facts.changed, window, facts.started);
+                plan.long
+                    .observe(facts.changed as f64, window.as_secs_f64(), facts.started);
             }
             plan.period = Some(match plan.period {
                 Some(p) => p.mul_f64(0.7) + window.mul_f64(0.3),
                 None => window,
             });
+        }
+        // A first sync's listing: the `updated_at` values of its records are
+        // the stream's change history before the bridge started.
+        if let Some(history) = facts.history {
+            plan.long
+                .observe(history.changes, history.seconds, facts.started);
+            self.planned_at = None;
         }
         if grant == Grant::Full {
             plan.last_full = Some(facts.started);
@@ -896,6 +909,7 @@ pub fn record_budget_gauges(budget: &RateBudget, token_id: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::stream::TenantId;
 
     /// The default tail target share (`poll.tail_guard`).
     const TAIL_SHARE: f64 = crate::config::DEFAULT_TAIL_GUARD;
@@ -929,6 +943,7 @@ mod tests {
             completed: true,
             changed,
             requests: 1,
+            history: None,
         }
     }
 
@@ -1179,6 +1194,7 @@ mod tests {
                             completed: false,
                             changed: 0,
                             requests: 0,
+                            history: None,
                         };
                         planner.finished(key, grant, stopped);
                         return;
@@ -1201,6 +1217,7 @@ mod tests {
                             completed: true,
                             changed: found,
                             requests: 1,
+                            history: None,
                         },
                     );
                     ready_at = Instant::now() + settings.interval;
@@ -1469,6 +1486,72 @@ mod tests {
         core.plan(at + secs(600));
         let rate = core.planned_rate(quiet);
         assert!(rate > 0.0 && rate < 0.025, "{rate}");
+    }
+
+    /// First syncs of 20 tenants whose listings show tenants 1-4 changed
+    /// minutes ago and the rest untouched for hours: `history` gives each
+    /// snapshot's evidence (None: the listing showed nothing).
+    fn first_synced(history: impl Fn(TenantId) -> Option<Evidence>) -> (PlannerCore, Instant) {
+        let t0 = Instant::now();
+        let mut core = PlannerCore::new(PlannerSettings {
+            interval: secs(5),
+            max_interval: secs(300),
+            poll_lanes: POLL_LANES,
+            full_resync_interval: secs(3600),
+            tail_guard: TAIL_SHARE,
+        });
+        core.set_paced_rate(Some(20.0 / 60.0));
+        for t in 1..=20 {
+            for k in [key(t), StreamKey::new(t, Resource::Categories)] {
+                core.ask(k, Need::Snapshot, t0);
+                let granted = core.grant(t0, false);
+                assert_eq!(granted, vec![(k, Grant::Poll)]);
+                core.take_grant(k);
+                let facts = SweepFacts {
+                    history: history(t),
+                    ..facts(t0, 0)
+                };
+                core.finished(k, Grant::Poll, facts);
+            }
+        }
+        (core, t0 + secs(10))
+    }
+
+    #[test]
+    fn a_first_syncs_history_tells_hot_streams_from_idle_ones_before_any_poll() {
+        let hours = |h: f64| h * 3600.0;
+        let (mut core, at) = first_synced(|t| {
+            Some(if t <= 4 {
+                // Every record changed within the last 10 minutes.
+                Evidence {
+                    changes: 100.0,
+                    seconds: 300.0 * t as f64,
+                }
+            } else {
+                Evidence {
+                    changes: 0.0,
+                    seconds: hours(6.0),
+                }
+            })
+        });
+        core.plan(at);
+        let hot = core.planned_rate(key(1));
+        let idle = core.planned_rate(key(20));
+        assert!(hot > 0.05, "tenant 1 learnt as hot at once: {hot}");
+        assert!(idle < hot / 1000.0, "tenant 20 learnt as idle: {idle}");
+        assert!(core.is_quiet(key(20)) && !core.is_quiet(key(1)));
+        assert!(
+            core.poll_bound(key(1)) * 3 < core.poll_bound(key(20)),
+            "{:?} vs {:?}",
+            core.poll_bound(key(1)),
+            core.poll_bound(key(20))
+        );
+
+        // Without a history every tenant starts alike.
+        let (mut core, at) = first_synced(|_| None);
+        core.plan(at);
+        assert_eq!(core.planned_rate(key(1)), core.planned_rate(key(20)));
+        assert_eq!(core.poll_bound(key(1)), core.poll_bound(key(20)));
     }
 
     /// Streams with skewed rates against the async planner on tokio's

@@ -42,6 +42,7 @@ use crate::crashpoint;
 use crate::diff::SweepMode;
 use crate::event::{self, Event, EventType, Op};
 use crate::hash::{HashError, IgnoreKeys};
+use crate::planner::history::ChangeHistory;
 use crate::schema::SchemaBase;
 use crate::sinks::Sink;
 use crate::state::ledger::{FullRetry, SweepEnd};
@@ -202,6 +203,9 @@ pub struct SweepReport {
     /// upstream announced since the last listing, not silent ones the
     /// lookback overlap happened to catch. What the planner learns from.
     pub announced: u64,
+    /// What a first sync's `updated_at` values show of the stream's changes
+    /// before it (empty for every other sweep).
+    pub history: ChangeHistory,
     /// The new watermark.
     pub watermark: Option<DateTime<Utc>>,
     /// Records known after the sweep.
@@ -548,6 +552,9 @@ impl SweepRun<'_> {
         let page = plan_page(records, &known, self.plan, &sweeper.settings.ignore_keys)?;
         let epoch = self.plan.epoch;
         let announced = page.announced(self.plan.announced_after);
+        if self.plan.mode == SweepMode::FirstSync {
+            self.report.history.merge(page.history(Utc::now()));
+        }
         let seen = if self.plan.full {
             page.unchanged
         } else {

@@ -20,6 +20,7 @@ use crate::event::{
     self, format_micros, updated_at_micros, Event, Op, RecordChange, VersionAttributes,
 };
 use crate::hash::{content_hash, ContentHash, IgnoreKeys};
+use crate::planner::history::ChangeHistory;
 use crate::schema::SchemaBase;
 use crate::state::{Intent, RecordState, SweepPlan, Tombstone};
 use crate::stream::StreamKey;
@@ -151,6 +152,18 @@ impl PagePlan<'_> {
             .filter(|c| matches!(c.change.op, Op::Create | Op::Update))
             .filter(|c| c.updated_at_micros.is_some_and(|at| at > after))
             .count() as u64
+    }
+
+    /// The change history its records' `updated_at` values show, listed at
+    /// `listed_at` (what a first sync tells the planner; see
+    /// [`ChangeHistory`]).
+    pub fn history(&self, listed_at: DateTime<Utc>) -> ChangeHistory {
+        let listed_at = listed_at.timestamp_micros();
+        let mut history = ChangeHistory::default();
+        for c in &self.changes {
+            history.add(c.updated_at_micros, listed_at);
+        }
+        history
     }
 }
 
