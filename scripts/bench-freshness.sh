@@ -13,6 +13,8 @@
 #                                   [--warmup S]         (seconds between the syncs and the window)
 #                                   [--max-interval D]   (adaptive's poll.max_interval, default 5m)
 #                                   [--tail-guard G]     (adaptive's poll.tail_guard, default: the build's)
+#                                   [--history D]        (the simulators' --change-history, default 6h;
+#                                                         0s: records keep their generated dates, years old)
 #
 # Everything listens on 127.0.0.1 only; every process it starts is killed on
 # exit; the whole run is bounded (initial sync timeout + window + drain).
@@ -32,9 +34,12 @@ SYNC_TIMEOUT=900
 KEEP=0
 MAX_INTERVAL=5m
 TAIL_GUARD=""
+# The catalog's past: the simulators date records as if the same change
+# stream had run this long before the bridge started.
+HISTORY=6h
 
 usage() {
-  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
 }
 
 while [ $# -gt 0 ]; do
@@ -48,6 +53,7 @@ while [ $# -gt 0 ]; do
     --keep) KEEP=1; shift ;;
     --max-interval) MAX_INTERVAL="${2:?--max-interval needs a value}"; shift 2 ;;
     --tail-guard) TAIL_GUARD="${2:?--tail-guard needs a value}"; shift 2 ;;
+    --history) HISTORY="${2:?--history needs a value}"; shift 2 ;;
     -h | --help) usage; exit 0 ;;
     *) echo "error: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -126,7 +132,7 @@ for strategy in "${strategy_list[@]}"; do
   "$BIN" simulate --listen "127.0.0.1:$sim_port" --tenants "$TENANTS" \
     --vouchers "$VOUCHERS" --categories "$CATEGORIES" --rate-limit 120 \
     --changes-per-minute 60 --change-skew 1.1 --idle-tenants 0.2 --seed 17 \
-    --change-log "$dir/changes.jsonl" --request-log "$dir/requests.jsonl" \
+    --change-history "$HISTORY" --change-log "$dir/changes.jsonl" --request-log "$dir/requests.jsonl" \
     >"$dir/simulator.log" 2>&1 &
   pids+=("$!")
   # An unknown path answers 404 before the rate limit: no budget spent.

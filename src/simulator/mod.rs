@@ -168,6 +168,10 @@ pub struct SimulateArgs {
     /// Share of tenants (the highest-numbered) that never change (0..=1).
     #[arg(long, default_value_t = 0.0, value_parser = parse_fraction)]
     pub idle_tenants: f64,
+    /// Date the records' `updated_at` as if the background changes had run this long before
+    /// the start (e.g. `6h`), so the catalog carries a live one's change history.
+    #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
+    pub change_history: Duration,
     /// Seed of the generated data and of the background changes.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
@@ -224,6 +228,8 @@ pub struct SimulatorOptions {
     pub change_skew: f64,
     /// Share of tenants (the highest-numbered) that never change.
     pub idle_tenants: f64,
+    /// How long the background changes ran before the start (their `updated_at` history).
+    pub change_history: Duration,
     /// Seed of the generated data and background changes.
     pub seed: u64,
     /// Bearer token granting every permission on every tenant.
@@ -260,6 +266,7 @@ impl Default for SimulatorOptions {
             changes_per_minute: 0,
             change_skew: 0.0,
             idle_tenants: 0.0,
+            change_history: Duration::ZERO,
             seed: 42,
             token: "sim-token".to_string(),
             rate_limit: 120,
@@ -293,6 +300,7 @@ impl TryFrom<SimulateArgs> for SimulatorOptions {
             changes_per_minute: args.changes_per_minute,
             change_skew: args.change_skew,
             idle_tenants: args.idle_tenants,
+            change_history: args.change_history,
             seed: args.seed,
             token: args.token,
             rate_limit: args.rate_limit,
@@ -432,6 +440,22 @@ impl Simulator {
             .context("reading simulator listen address")?;
         let mut state = state::SimState::new(&opts);
         state.request_journal = request_log;
+        let picker = mutator::TenantPicker::new(opts.tenants, opts.change_skew, opts.idle_tenants);
+        let backdated = mutator::backdate(
+            &state,
+            &picker,
+            opts.changes_per_minute,
+            opts.change_history,
+            opts.seed,
+            state.clock.now(),
+        );
+        if backdated > 0 {
+            tracing::info!(
+                changes = backdated,
+                history = %humantime::format_duration(opts.change_history),
+                "simulator catalog dated with a change history"
+            );
+        }
         let state = Arc::new(state);
         let cancel = CancellationToken::new();
         let tls = acceptor.is_some();
@@ -445,11 +469,7 @@ impl Simulator {
             let plan = mutator::MutatorPlan {
                 per_minute: opts.changes_per_minute,
                 seed: opts.seed,
-                picker: mutator::TenantPicker::new(
-                    opts.tenants,
-                    opts.change_skew,
-                    opts.idle_tenants,
-                ),
+                picker,
                 change_log,
             };
             tokio::spawn(mutator::run(state.clone(), plan, cancel.clone()))

@@ -169,6 +169,66 @@ pub fn mutate_once(
     done.then(|| applied(id, change))
 }
 
+/// Gives the catalog the change history of `history` of background changes
+/// before `now`, as if the mutator had run that long before the simulator
+/// started (`--change-history`): at `per_minute`, on the tenants `picker`
+/// picks, each change that would bump `updated_at` (a create, an update or a
+/// touch: 80 rolls of 100) sets a random record's `updated_at` to the
+/// change's time. Records are neither added nor removed, so the catalog keeps
+/// its size; only its last-change times become those of a live catalog.
+/// Deterministic from `seed` (its own random stream: the live changes that
+/// follow are the same with or without a history). Returns the changes applied.
+pub fn backdate(
+    state: &SimState,
+    picker: &TenantPicker,
+    per_minute: u32,
+    history: Duration,
+    seed: u64,
+    now: chrono::DateTime<chrono::Utc>,
+) -> u64 {
+    if per_minute == 0 || history.is_zero() || picker.active() == 0 {
+        return 0;
+    }
+    let mut rng = data::tenant_rng(seed, 0, 3);
+    let period = 60.0 / f64::from(per_minute);
+    let count = (history.as_secs_f64() / period).floor() as u64;
+    let start =
+        now - chrono::Duration::microseconds(history.as_micros().min(i64::MAX as u128) as i64);
+    let mut ids: std::collections::HashMap<(TenantId, Resource), Vec<i64>> =
+        std::collections::HashMap::new();
+    let mut applied = 0;
+    for i in 0..count {
+        let Some(tenant) = picker.pick(&mut rng) else {
+            break;
+        };
+        let resource = if rng.random_bool(0.8) {
+            Resource::Vouchers
+        } else {
+            Resource::Categories
+        };
+        let roll = rng.random_range(0..100);
+        let records = ids
+            .entry((tenant, resource))
+            .or_insert_with(|| state.record_ids(tenant, resource));
+        if records.is_empty() {
+            continue;
+        }
+        let id = records[rng.random_range(0..records.len())];
+        let bumps = matches!(
+            pick_change(roll, records.len(), records.len()),
+            Change::Create | Change::Update | Change::Touch
+        );
+        if !bumps {
+            continue;
+        }
+        let at = start + chrono::Duration::microseconds((i as f64 * period * 1e6) as i64);
+        if state.set_updated_at(tenant, resource, id, Some(at)) {
+            applied += 1;
+        }
+    }
+    applied
+}
+
 /// How the background mutator runs.
 #[derive(Debug)]
 pub struct MutatorPlan {
@@ -302,6 +362,78 @@ mod tests {
         }
         let all_idle = TenantPicker::new(5, 1.0, 1.0);
         assert_eq!(all_idle.pick(&mut data::tenant_rng(1, 0, 2)), None);
+    }
+
+    #[test]
+    fn a_change_history_dates_the_hot_tenants_records_recently_and_leaves_the_idle_ones_old() {
+        let opts = crate::simulator::SimulatorOptions {
+            tenants: 10,
+            vouchers: 50,
+            categories: 5,
+            ..Default::default()
+        };
+        let state = SimState::new(&opts);
+        let picker = TenantPicker::new(10, 1.1, 0.2);
+        let now = chrono::Utc::now();
+        let history = Duration::from_secs(6 * 3600);
+        let applied = backdate(&state, &picker, 60, history, 42, now);
+        // 6 hours at 60 a minute, 80% of them bump `updated_at`.
+        assert!((15_000..=19_600).contains(&applied), "{applied}");
+        let ages = |tenant| -> Vec<f64> {
+            updated_ats(&state, tenant)
+                .into_iter()
+                .flatten()
+                .map(|at| (now - at).num_milliseconds() as f64 / 1000.0)
+                .collect()
+        };
+        let recent = |tenant| ages(tenant).iter().filter(|a| **a < 6.0 * 3600.0).count();
+        let mean_age = |tenant| {
+            let ages = ages(tenant);
+            ages.iter().sum::<f64>() / ages.len() as f64
+        };
+        assert!(
+            mean_age(1) < 600.0,
+            "tenant 1's records changed minutes ago: {}",
+            mean_age(1)
+        );
+        assert!(recent(1) >= 48, "{}", recent(1));
+        // Tenant 8 changes 8^1.1 = 9.8 times less often than tenant 1.
+        assert!(
+            mean_age(8) > 4.0 * mean_age(1),
+            "{} vs {}",
+            mean_age(8),
+            mean_age(1)
+        );
+        assert_eq!(recent(9), 0, "idle");
+        assert_eq!(recent(10), 0, "idle");
+        assert!(
+            ages(1).iter().all(|a| *a > 0.0),
+            "every backdated change is before now"
+        );
+        assert_eq!(
+            state.record_count(1, Resource::Vouchers),
+            50,
+            "no record added or removed"
+        );
+        // Deterministic: the same seed, the same history.
+        let again = SimState::new(&opts);
+        assert_eq!(backdate(&again, &picker, 60, history, 42, now), applied);
+        assert_eq!(updated_ats(&again, 3), updated_ats(&state, 3));
+    }
+
+    /// The `updated_at` of every voucher of `tenant`, by id.
+    fn updated_ats(
+        state: &SimState,
+        tenant: TenantId,
+    ) -> Vec<Option<chrono::DateTime<chrono::Utc>>> {
+        state
+            .record_ids(tenant, Resource::Vouchers)
+            .into_iter()
+            .map(|id| match state.snapshot(tenant, Resource::Vouchers, id) {
+                Some(crate::simulator::store::RecordValue::Voucher(v)) => v.updated_at,
+                _ => None,
+            })
+            .collect()
     }
 
     #[test]
