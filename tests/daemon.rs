@@ -550,3 +550,61 @@ async fn under_the_adaptive_planner_status_shows_each_streams_plan_and_the_token
     );
     assert_eq!(budget["full_sweep_share_limit"].as_f64(), Some(0.25));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_sync_of_a_live_catalog_tells_the_planner_its_hot_tenants_from_its_idle_ones_before_any_poll(
+) {
+    // Six hours of skewed changes before the start: tenant 1 changes most,
+    // tenant 4 about 4.6 times less, tenant 5 never.
+    let sim = common::spawn_simulator_with(voucher_cdc::simulator::SimulatorOptions {
+        tenants: 5,
+        vouchers: 20,
+        categories: 5,
+        rate_limit: 0,
+        changes_per_minute: 60,
+        change_skew: 1.1,
+        idle_tenants: 0.2,
+        change_history: Duration::from_secs(6 * 3600),
+        seed: 17,
+        ..Default::default()
+    })
+    .await;
+    let tenants = [1, 2, 3, 4, 5];
+    let dir = tempfile::tempdir().unwrap();
+    // No poll after the first sync within the test: what the planner knows
+    // of the rates comes from the first sync's listings alone.
+    let config = TestConfig::for_simulator(&sim, dir.path(), &tenants)
+        .with_strategy(voucher_cdc::planner::Strategy::Adaptive)
+        .with_poll_interval(Duration::from_secs(600))
+        .with_full_resync_interval(Duration::from_secs(3600));
+    let daemon = spawn_daemon(&config).await;
+    let rate = |status: &Value, tenant: u64| {
+        status["streams"].as_array().and_then(|streams| {
+            streams
+                .iter()
+                .find(|s| s["tenant"] == tenant && s["resource"] == "vouchers")
+                .and_then(|s| s["planner"]["change_rate_per_minute"].as_f64())
+        })
+    };
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let (_, status) = get_json(&format!("{}/v1/status", daemon.admin_url)).await;
+        let synced = status["streams"].as_array().is_some_and(|s| {
+            s.len() == 10
+                && s.iter()
+                    .all(|s| s["planner"]["seconds_since_last_poll"].is_number())
+        });
+        if let (true, Some(hot), Some(cold), Some(idle)) =
+            (synced, rate(&status, 1), rate(&status, 4), rate(&status, 5))
+        {
+            if hot > 2.0 * cold && cold > 10.0 * idle {
+                break;
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the planner's rates do not tell tenant 1 > tenant 4 > idle tenant 5: {status}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

@@ -476,7 +476,6 @@ impl PlannerCore {
         if let Some(history) = facts.history {
             plan.long
                 .observe(history.changes, history.seconds, facts.started);
-            self.planned_at = None;
         }
         if grant == Grant::Full {
             plan.last_full = Some(facts.started);
@@ -859,9 +858,12 @@ impl BudgetStatus {
 impl Planner {
     /// The plan of `key` as status shows it, None when the planner does not know it yet.
     pub fn stream_status(&self, key: StreamKey) -> Option<StreamPlanStatus> {
-        let core = self.lock();
-        let plan = core.stream(key)?;
         let now = Instant::now();
+        let mut core = self.lock();
+        // What it learnt since the last grant shows within `REPLAN_EVERY`,
+        // even while every stream rests.
+        core.plan_if_stale(now);
+        let plan = core.stream(key)?;
         let (turn, next) = match (plan.running, plan.ready_at) {
             (Some(Grant::Full), _) => ("full_sweep", None),
             (Some(Grant::Poll), _) => ("polling", None),
