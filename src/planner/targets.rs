@@ -28,9 +28,12 @@ use crate::stream::{Resource, TenantId};
 
 /// Share of all changes allowed to wait longer than the tail target: the
 /// coldest streams held only to the cap carry at most this much of the
-/// learnt changes times their chance to wait past the tail target. Under the
-/// 1% a p99 allows, with a margin for estimation.
-pub const TAIL_EXCESS: f64 = 0.007;
+/// learnt changes times their chance to wait past the tail target. Well
+/// under the 1% a p99 allows: the rest is the margin for estimation and for
+/// the changes no poll can catch (a version deleted before the next poll
+/// never has an event; 0.6% of the changes in the freshness benchmark, where
+/// 0.7% here let the p99 pass uniform's).
+pub const TAIL_EXCESS: f64 = 0.003;
 
 /// Share of the budget's pace a schedule plans to spend (see [`target_periods`]).
 pub const SPEND_SHARE: f64 = 0.97;
@@ -448,7 +451,7 @@ mod tests {
     fn the_schedule_spends_the_budget_and_keeps_every_bound() {
         let budget = 113.0 / 60.0;
         let demands = skewed();
-        let targets = target_periods(&demands, Some(budget), limits(0.9));
+        let targets = target_periods(&demands, Some(budget), limits(0.95));
         let plannable = budget * SPEND_SHARE;
         assert!(
             spent(&targets) <= plannable * 1.0001,
@@ -462,7 +465,7 @@ mod tests {
         );
         let tail_target = targets.tail_target.unwrap();
         let round = 400.0 / budget;
-        assert!((tail_target.as_secs_f64() - 0.9 * round).abs() < 0.5);
+        assert!((tail_target.as_secs_f64() - 0.95 * round).abs() < 0.5);
         for (i, t) in targets.periods.iter().enumerate() {
             assert!(*t >= Duration::from_secs(30) && *t <= Duration::from_secs(300));
             if !targets.tail[i] {
