@@ -353,9 +353,11 @@ impl Sweeper {
         } else {
             Lane::Poll
         };
+        let hashing = Arc::new(self.settings.ignore_keys.clone());
         let mut run = SweepRun {
             sweeper: self,
-            client: self.client.in_lane(lane),
+            // Listed records are hashed as their page is read (one pass).
+            client: self.client.in_lane(lane).hashing(hashing),
             plan: &plan,
             cancel,
             report: SweepReport {

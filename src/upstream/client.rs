@@ -17,9 +17,12 @@ use serde_json::value::RawValue;
 use url::Url;
 
 use super::error::UpstreamError;
-use super::page::{decode_page, decode_record, DecodedPage, ListQuery, Page, Record};
+use super::page::{
+    decode_page, decode_page_hashed, decode_record_in, DecodedPage, ListQuery, Page, Record,
+};
 use super::ratelimit::{Lane, RateBudget};
 use super::tls::{refused_certificate, TrustRoots};
+use crate::hash::IgnoreKeys;
 use crate::stream::{Resource, TenantId};
 use crate::telemetry::metric;
 
@@ -99,6 +102,8 @@ pub struct UpstreamClient {
     inner: Arc<Inner>,
     /// The budget lane this client's requests wait in.
     lane: Lane,
+    /// Listed records are hashed without these keys as their page is read.
+    hash_without: Option<Arc<IgnoreKeys>>,
 }
 
 /// What every clone of a client shares.
@@ -242,6 +247,7 @@ impl UpstreamClient {
                 budget,
             }),
             lane: Lane::default(),
+            hash_without: None,
         })
     }
 
@@ -253,8 +259,17 @@ impl UpstreamClient {
     /// The same client, its requests waiting in `lane` of the budget.
     pub fn in_lane(&self, lane: Lane) -> Self {
         Self {
-            inner: Arc::clone(&self.inner),
             lane,
+            ..self.clone()
+        }
+    }
+
+    /// The same client, hashing every listed record (without `ignore`) in
+    /// the pass that reads its page (see [`decode_page_hashed`]).
+    pub fn hashing(&self, ignore: Arc<IgnoreKeys>) -> Self {
+        Self {
+            hash_without: Some(ignore),
+            ..self.clone()
         }
     }
 
@@ -300,7 +315,13 @@ impl UpstreamClient {
         let DecodedPage {
             page,
             skipped_records,
-        } = self.execute(&call, decode_page).await?;
+        } = match &self.hash_without {
+            Some(ignore) => {
+                self.execute(&call, |body| decode_page_hashed(body, ignore))
+                    .await?
+            }
+            None => self.execute(&call, decode_page).await?,
+        };
         for skipped in &skipped_records {
             tracing::warn!(
                 tenant,
@@ -374,12 +395,13 @@ impl UpstreamClient {
         let call = self.get_call(tenant, resource, endpoint, url, path);
         self.execute(&call, |body| {
             #[derive(Deserialize)]
-            struct Envelope {
-                data: Box<RawValue>,
+            struct Envelope<'a> {
+                #[serde(borrow)]
+                data: &'a RawValue,
             }
-            let envelope: Envelope = serde_json::from_slice(body)
+            let envelope: Envelope<'_> = serde_json::from_slice(body)
                 .map_err(|e| format!("body is not a single-record envelope: {e}"))?;
-            decode_record(envelope.data).map_err(|skip| format!("the record {skip}"))
+            decode_record_in(body, envelope.data).map_err(|skip| format!("the record {skip}"))
         })
         .await
     }
@@ -418,7 +440,7 @@ impl UpstreamClient {
     async fn execute<T>(
         &self,
         call: &Call,
-        decode: impl Fn(&[u8]) -> Result<T, String>,
+        decode: impl Fn(&Bytes) -> Result<T, String>,
     ) -> Result<T, UpstreamError> {
         let opts = &self.inner.opts;
         let max_attempts = opts.max_attempts.max(1);
