@@ -560,7 +560,7 @@ impl UpstreamClient {
             .get(RETRY_AFTER)
             .and_then(|value| value.to_str().ok())
             .map(str::to_owned);
-        let body = response.bytes().await;
+        let body = read_body(response).await;
         observe_duration(
             call,
             if body.is_ok() {
@@ -697,6 +697,22 @@ fn root_cause(err: &reqwest::Error) -> String {
         cause = source;
     }
     one_line(&cause.to_string())
+}
+
+/// Most bytes a `Content-Length` makes [`read_body`] allocate before any arrived.
+const MAX_PREALLOCATED_BODY: u64 = 64 << 20;
+
+/// The whole body, in one buffer sized by `Content-Length` as the chunks
+/// arrive (each chunk freed once copied). `Response::bytes` gathers every
+/// chunk first and copies them into one buffer at the end: twice the body in
+/// memory at once, 11 MB for a page of 50 categories with their products.
+async fn read_body(mut response: reqwest::Response) -> Result<Bytes, reqwest::Error> {
+    let expected = response.content_length().unwrap_or(0);
+    let mut body = bytes::BytesMut::with_capacity(expected.min(MAX_PREALLOCATED_BODY) as usize);
+    while let Some(chunk) = response.chunk().await? {
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body.freeze())
 }
 
 /// The parts of an upstream error body.
