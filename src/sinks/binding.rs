@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
+use crate::hash::plain_run_end;
 use crate::json::{skip_ws, value_end, walk_object, Visited};
 
 /// The attributes every message carries as headers, whatever the content
@@ -150,10 +151,15 @@ fn flat_routing(payload: &[u8]) -> Option<Vec<(&'static str, String)>> {
                 return None;
             }
             let value = std::str::from_utf8(&payload[pos..end]).ok()?;
-            found[slot] = Some(if value.starts_with('"') {
-                serde_json::from_str::<String>(value).ok()?
-            } else {
-                value.to_string()
+            let inner = value
+                .strip_prefix('"')
+                .and_then(|v| v.strip_suffix('"'))
+                .filter(|v| plain_run_end(v.as_bytes(), 0) == v.len());
+            found[slot] = Some(match inner {
+                // A string without escapes or control characters is its text.
+                Some(text) => text.to_string(),
+                None if value.starts_with('"') => serde_json::from_str::<String>(value).ok()?,
+                None => value.to_string(),
             });
         }
         Some(Visited::Until(end))
