@@ -738,6 +738,77 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_hand_written_envelope_writes_every_attribute_in_order_escaped_as_serde_json_does() {
+        let data = r#"{"id":1,"t":"a\"b\u00e9"}"#;
+        let before = "{\"id\":1,\"t\":\"tab\there \\ \u{1} \u{7f} é 🎉\"}";
+        for full in [false, true] {
+            let doc = CloudEvent {
+                specversion: "1.0",
+                id: "0123456789abcdef0123456789abcdef",
+                source: "/tenants/7/catalog/vouchers".to_string(),
+                ty: "voucher.updated",
+                subject: "9\"\n",
+                time: "2024-05-01T10:00:00Z".to_string(),
+                datacontenttype: "application/json",
+                dataschema: "https://example.com/s/voucher.schema.json".to_string(),
+                partitionkey: "7:voucher:9",
+                tenant: 7,
+                op: full.then_some(Op::Update),
+                contenthash: "ffeeddccbbaa99887766554433221100",
+                previoushash: full.then_some("00112233445566778899aabbccddeeff"),
+                replayid: full.then_some("aa"),
+                changedfields: full.then_some("price,title"),
+                before: full.then_some(before),
+                data,
+            };
+            let payload = String::from_utf8(doc.encode().to_vec()).unwrap();
+            // Strings escaped exactly as serde_json escapes them; `data` as it is.
+            let escaped = |text: &str| serde_json::to_string(text).unwrap();
+            assert!(payload.contains(&format!(r#","subject":{},"#, escaped(doc.subject))));
+            assert!(payload.ends_with(&format!(r#","data":{data}}}"#)));
+            if full {
+                assert!(payload.contains(&format!(r#","before":{},"#, escaped(before))));
+            }
+            // Every attribute, in field order, reads back as written.
+            let bytes = payload.as_bytes();
+            let mut names = Vec::new();
+            let end = crate::json::walk_object(bytes, 0, |key, pos| {
+                names.push(String::from_utf8(key.to_vec()).ok()?);
+                Some(crate::json::Visited::Until(crate::json::value_end(
+                    bytes, pos,
+                )?))
+            });
+            assert_eq!(end, Some(bytes.len()));
+            let mut expected = vec![
+                "specversion",
+                "id",
+                "source",
+                "type",
+                "subject",
+                "time",
+                "datacontenttype",
+                "dataschema",
+                "partitionkey",
+                "tenant",
+            ];
+            if full {
+                expected.extend(["op", "contenthash", "previoushash", "replayid"]);
+                expected.extend(["changedfields", "before", "data"]);
+            } else {
+                expected.extend(["contenthash", "data"]);
+            }
+            assert_eq!(names, expected);
+            let value: serde_json::Value = serde_json::from_str(&payload).unwrap();
+            assert_eq!(value["subject"], doc.subject);
+            assert_eq!(value["tenant"], 7);
+            if full {
+                assert_eq!(value["before"], before);
+                assert_eq!(value["op"], "update");
+            }
+        }
+    }
+
+    #[test]
     fn updated_at_text_converts_to_unix_microseconds() {
         assert_eq!(updated_at_micros("1970-01-01T00:00:01Z"), Some(1_000_000));
         assert_eq!(
