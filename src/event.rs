@@ -102,16 +102,16 @@ pub struct EventIdParts<'a> {
 
 /// Computes the 32-hex-digit event id: blake3 over the length-prefixed parts.
 pub fn event_id(parts: &EventIdParts<'_>) -> String {
-    let mut h = blake3::Hasher::new();
-    h.update(b"voucher-cdc/event-id/v2");
+    // The parts are laid out in one buffer and hashed at once (the same
+    // digest as feeding them one by one, without a hasher update per part).
+    let mut h = Vec::with_capacity(256);
+    h.extend_from_slice(b"voucher-cdc/event-id/v2");
     let mut field = |bytes: Option<&[u8]>| match bytes {
-        None => {
-            h.update(&[0]);
-        }
+        None => h.push(0),
         Some(b) => {
-            h.update(&[1]);
-            h.update(&(b.len() as u64).to_le_bytes());
-            h.update(b);
+            h.push(1);
+            h.extend_from_slice(&(b.len() as u64).to_le_bytes());
+            h.extend_from_slice(b);
         }
     };
     field(Some(&parts.tenant.to_le_bytes()));
@@ -123,11 +123,12 @@ pub fn event_id(parts: &EventIdParts<'_>) -> String {
     field(Some(parts.content_hash.as_bytes()));
     field(parts.previous_hash.map(str::as_bytes));
     field(parts.replay_id.map(str::as_bytes));
-    hex::encode(truncated(&h.finalize()))
+    hex::encode(truncated(&blake3::hash(&h)))
 }
 
-/// The structured-mode CloudEvents JSON document (field order as DESIGN.md).
-#[derive(Debug, Serialize)]
+/// The structured-mode CloudEvents JSON document (field order as DESIGN.md),
+/// written by [`CloudEvent::encode`].
+#[derive(Debug)]
 pub struct CloudEvent<'a> {
     /// Always `1.0`.
     pub specversion: &'static str,
@@ -136,7 +137,6 @@ pub struct CloudEvent<'a> {
     /// `/tenants/{tenant}/catalog/{resource}`.
     pub source: String,
     /// Event type name.
-    #[serde(rename = "type")]
     pub ty: &'static str,
     /// Record id (or the replay id for framing events).
     pub subject: &'a str,
@@ -151,26 +151,22 @@ pub struct CloudEvent<'a> {
     /// Tenant id.
     pub tenant: TenantId,
     /// Kind of change (absent on replay framing events).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub op: Option<Op>,
     /// Hex content hash of `data`.
     pub contenthash: &'a str,
     /// Hex content hash of the previous version, on update and delete.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub previoushash: Option<&'a str>,
     /// Replay id, on events emitted by a replay.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub replayid: Option<&'a str>,
     /// `events.changed_fields`, on updates: the top-level keys that changed,
     /// comma-separated (see [`crate::hash::encode_field_list`]). Not part of the id.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub changedfields: Option<&'a str>,
     /// `events.before`, on updates and deletes: the previous version's JSON
     /// text, exactly as its event's `data` carried it. Not part of the id.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub before: Option<&'a str>,
-    /// The record exactly as the API returned it.
-    pub data: &'a RawValue,
+    /// The record exactly as the API returned it: valid JSON text, written
+    /// as it is.
+    pub data: &'a str,
 }
 
 /// An encoded event, ready for any sink.
@@ -251,8 +247,9 @@ pub struct RecordChange<'a> {
     pub previous_hash: Option<ContentHash>,
     /// Replay id (16 bytes of the 32-hex id), when emitted by a replay.
     pub replay: Option<[u8; 16]>,
-    /// The record as returned by the API (for deletes: `{"id":N}`).
-    pub data: &'a RawValue,
+    /// The record as returned by the API (for deletes: `{"id":N}`): valid
+    /// JSON text, written into the event as it is.
+    pub data: &'a str,
     /// Detection time, used as `time` when the record has no `updated_at`.
     pub detected_at: DateTime<Utc>,
     /// Where `dataschema` points.
@@ -338,7 +335,7 @@ pub fn record_event_with(change: &RecordChange<'_>, version: VersionAttributes<'
         before: version.before,
         data: change.data,
     };
-    let payload = encode(&doc);
+    let payload = doc.encode();
     Event {
         id,
         stream: change.stream,
@@ -503,10 +500,10 @@ fn stream_event(frame: &StreamFrame<'_>, data: &impl Serialize, schema_base: &Sc
         replayid: frame.replay_id,
         changedfields: None,
         before: None,
-        data: &data_raw,
+        data: data_raw.get(),
     };
     Event {
-        payload: encode(&doc),
+        payload: doc.encode(),
         id,
         stream,
         ty: frame.ty,
@@ -680,22 +677,136 @@ fn empty_object() -> Box<RawValue> {
 /// `dataschema`), so the payload is written into one allocation.
 const ENVELOPE_RESERVE: usize = 768;
 
-fn encode(doc: &CloudEvent<'_>) -> Bytes {
-    // `data` is copied as it is (a RawValue is never re-serialised); the
-    // buffer is sized for it up front, so it is not grown and copied again
-    // while the attributes are written.
-    let mut out = Vec::with_capacity(doc.data.get().len() + ENVELOPE_RESERVE);
-    // Serializing a struct of strings, numbers and an already-valid RawValue
-    // cannot fail; an empty payload would be rejected by every consumer.
-    match serde_json::to_writer(&mut out, doc) {
-        Ok(()) => Bytes::from(out),
-        Err(_) => Bytes::new(),
+impl CloudEvent<'_> {
+    /// The event JSON: the attributes in field order, absent optional ones
+    /// left out, strings escaped as serde_json escapes them, and `data`
+    /// written around the record's bytes as they are (never parsed or
+    /// re-serialised). One allocation, sized up front.
+    pub fn encode(&self) -> Bytes {
+        let extra = self.before.map_or(0, |b| b.len() + b.len() / 8);
+        let mut out = Vec::with_capacity(self.data.len() + extra + ENVELOPE_RESERVE);
+        out.extend_from_slice(b"{\"specversion\":");
+        json_str(&mut out, self.specversion);
+        attribute(&mut out, "id", Some(self.id));
+        attribute(&mut out, "source", Some(&self.source));
+        attribute(&mut out, "type", Some(self.ty));
+        attribute(&mut out, "subject", Some(self.subject));
+        attribute(&mut out, "time", Some(&self.time));
+        attribute(&mut out, "datacontenttype", Some(self.datacontenttype));
+        attribute(&mut out, "dataschema", Some(&self.dataschema));
+        attribute(&mut out, "partitionkey", Some(self.partitionkey));
+        out.extend_from_slice(b",\"tenant\":");
+        out.extend_from_slice(self.tenant.to_string().as_bytes());
+        attribute(&mut out, "op", self.op.map(Op::as_str));
+        attribute(&mut out, "contenthash", Some(self.contenthash));
+        attribute(&mut out, "previoushash", self.previoushash);
+        attribute(&mut out, "replayid", self.replayid);
+        attribute(&mut out, "changedfields", self.changedfields);
+        attribute(&mut out, "before", self.before);
+        out.extend_from_slice(b",\"data\":");
+        out.extend_from_slice(self.data.as_bytes());
+        out.push(b'}');
+        Bytes::from(out)
+    }
+}
+
+/// `,"name":"value"` when there is a value.
+fn attribute(out: &mut Vec<u8>, name: &str, value: Option<&str>) {
+    if let Some(value) = value {
+        out.extend_from_slice(b",\"");
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(b"\":");
+        json_str(out, value);
+    }
+}
+
+/// A JSON string, escaped exactly as serde_json escapes it (`"`, `\\` and
+/// control characters; nothing else).
+fn json_str(out: &mut Vec<u8>, text: &str) {
+    if crate::hash::plain_run_end(text.as_bytes(), 0) == text.len() {
+        out.push(b'"');
+        out.extend_from_slice(text.as_bytes());
+        out.push(b'"');
+    } else if serde_json::to_writer(&mut *out, text).is_err() {
+        // Writing a string into a Vec cannot fail.
+        out.extend_from_slice(b"\"\"");
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_hand_written_envelope_writes_every_attribute_in_order_escaped_as_serde_json_does() {
+        let data = r#"{"id":1,"t":"a\"b\u00e9"}"#;
+        let before = "{\"id\":1,\"t\":\"tab\there \\ \u{1} \u{7f} é 🎉\"}";
+        for full in [false, true] {
+            let doc = CloudEvent {
+                specversion: "1.0",
+                id: "0123456789abcdef0123456789abcdef",
+                source: "/tenants/7/catalog/vouchers".to_string(),
+                ty: "voucher.updated",
+                subject: "9\"\n",
+                time: "2024-05-01T10:00:00Z".to_string(),
+                datacontenttype: "application/json",
+                dataschema: "https://example.com/s/voucher.schema.json".to_string(),
+                partitionkey: "7:voucher:9",
+                tenant: 7,
+                op: full.then_some(Op::Update),
+                contenthash: "ffeeddccbbaa99887766554433221100",
+                previoushash: full.then_some("00112233445566778899aabbccddeeff"),
+                replayid: full.then_some("aa"),
+                changedfields: full.then_some("price,title"),
+                before: full.then_some(before),
+                data,
+            };
+            let payload = String::from_utf8(doc.encode().to_vec()).unwrap();
+            // Strings escaped exactly as serde_json escapes them; `data` as it is.
+            let escaped = |text: &str| serde_json::to_string(text).unwrap();
+            assert!(payload.contains(&format!(r#","subject":{},"#, escaped(doc.subject))));
+            assert!(payload.ends_with(&format!(r#","data":{data}}}"#)));
+            if full {
+                assert!(payload.contains(&format!(r#","before":{},"#, escaped(before))));
+            }
+            // Every attribute, in field order, reads back as written.
+            let bytes = payload.as_bytes();
+            let mut names = Vec::new();
+            let end = crate::json::walk_object(bytes, 0, |key, pos| {
+                names.push(String::from_utf8(key.to_vec()).ok()?);
+                Some(crate::json::Visited::Until(crate::json::value_end(
+                    bytes, pos,
+                )?))
+            });
+            assert_eq!(end, Some(bytes.len()));
+            let mut expected = vec![
+                "specversion",
+                "id",
+                "source",
+                "type",
+                "subject",
+                "time",
+                "datacontenttype",
+                "dataschema",
+                "partitionkey",
+                "tenant",
+            ];
+            if full {
+                expected.extend(["op", "contenthash", "previoushash", "replayid"]);
+                expected.extend(["changedfields", "before", "data"]);
+            } else {
+                expected.extend(["contenthash", "data"]);
+            }
+            assert_eq!(names, expected);
+            let value: serde_json::Value = serde_json::from_str(&payload).unwrap();
+            assert_eq!(value["subject"], doc.subject);
+            assert_eq!(value["tenant"], 7);
+            if full {
+                assert_eq!(value["before"], before);
+                assert_eq!(value["op"], "update");
+            }
+        }
+    }
 
     #[test]
     fn updated_at_text_converts_to_unix_microseconds() {
@@ -724,7 +835,7 @@ mod tests {
             content_hash: ContentHash([3; 16]),
             previous_hash: None,
             replay: None,
-            data,
+            data: data.get(),
             detected_at: DateTime::from_timestamp(1_714_600_000, 0).unwrap_or_default(),
             schema_base: &crate::schema::DEFAULT_SCHEMA_BASE,
         }

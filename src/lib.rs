@@ -12,6 +12,7 @@ pub mod demo;
 pub mod diff;
 pub mod event;
 pub mod hash;
+mod json;
 pub mod planner;
 pub mod probe;
 pub mod scheduler;

@@ -65,7 +65,7 @@ fn every_kind_of_event() -> Vec<Event> {
                 content_hash: ContentHash([1; 16]),
                 previous_hash: Some(ContentHash([2; 16])),
                 replay: None,
-                data: &data,
+                data: data.get(),
                 detected_at: Utc::now(),
                 schema_base: &DEFAULT_SCHEMA_BASE,
             }));

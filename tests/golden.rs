@@ -83,7 +83,7 @@ fn record_123(op: Op, data: &RawValue) -> RecordChange<'_> {
         content_hash: content_hash(data.get(), &IgnoreKeys::new(["updated_at"])).unwrap(),
         previous_hash: Some("00112233445566778899aabbccddeeff".parse().unwrap()),
         replay: None,
-        data,
+        data: data.get(),
         detected_at: Utc.with_ymd_and_hms(2024, 5, 2, 0, 0, 0).unwrap(),
         schema_base: &DEFAULT_SCHEMA_BASE,
     }

@@ -64,7 +64,7 @@ fn change_event(resource: Resource, op: Op, data: &str, replay_id: Option<&str>)
         content_hash,
         previous_hash: previous,
         replay: replay_id.map(|id| replay_id_bytes(id).unwrap()),
-        data: &data,
+        data: data.get(),
         detected_at: Utc.with_ymd_and_hms(2025, 3, 1, 10, 0, 5).unwrap(),
         schema_base: &DEFAULT_SCHEMA_BASE,
     })

@@ -56,6 +56,50 @@ fn canonicalize_then<R>(
     Ok(result)
 }
 
+/// Where a top-level member of a record was found while its canonical form
+/// was written: the byte range of its value in the input.
+pub(crate) type ValueSpan = std::ops::Range<usize>;
+
+/// What one pass over a record gives besides its canonical form: where the
+/// record ends in the input, and the input spans of its top-level `id` and
+/// `updated_at` values.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct RecordHead {
+    /// One past the record's last byte in the input.
+    pub(crate) end: usize,
+    /// The top-level `id` value, when the record is an object with one.
+    pub(crate) id: Option<ValueSpan>,
+    /// The top-level `updated_at` value.
+    pub(crate) updated_at: Option<ValueSpan>,
+    /// False when a top-level key is written with an escape, or `id` or
+    /// `updated_at` appears twice: then the spans may not be what a JSON
+    /// reader would take for those fields.
+    pub(crate) plain: bool,
+}
+
+/// Runs `use_bytes` over the canonical form of the one JSON value starting at
+/// `start` in `input` (whitespace before it skipped, anything after it left
+/// alone), and returns its result with the value's [`RecordHead`]: the
+/// parse that hashes a listed record also finds where it ends and its
+/// `id` and `updated_at`, so a page is read once.
+pub(super) fn with_canonical_at<R>(
+    input: &str,
+    start: usize,
+    ignore: &IgnoreKeys,
+    use_bytes: impl FnOnce(&[u8]) -> R,
+) -> Result<(R, RecordHead), HashError> {
+    let run = |scratch: &mut Scratch| {
+        let head = canonicalize_value(scratch, input, start, ignore)?;
+        let result = use_bytes(&scratch.out);
+        scratch.shrink();
+        Ok((result, head))
+    };
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut scratch) => run(&mut scratch),
+        Err(_) => run(&mut Scratch::default()),
+    })
+}
+
 /// A key name in the canonical escaped form object keys are compared in
 /// (without quotes).
 pub(super) fn escape_key(key: &str) -> Vec<u8> {
@@ -204,28 +248,52 @@ fn cmp_keys(a_prefix: u64, a: &[u8], b_prefix: u64, b: &[u8]) -> std::cmp::Order
 }
 
 fn canonicalize(scratch: &mut Scratch, raw: &str, ignore: &IgnoreKeys) -> Result<(), HashError> {
+    let head = canonicalize_value(scratch, raw, 0, ignore)?;
+    let rest = &raw.as_bytes()[head.end..];
+    let trailing = rest
+        .iter()
+        .position(|b| !matches!(b, b' ' | b'\n' | b'\r' | b'\t'));
+    if let Some(at) = trailing {
+        return Err(HashError::InvalidJson {
+            offset: head.end + at,
+            reason: "trailing characters after the json value",
+        });
+    }
+    Ok(())
+}
+
+/// Writes the canonical form of the value starting at `start` (after any
+/// whitespace) into `scratch.out`; returns where it ends and its head.
+fn canonicalize_value(
+    scratch: &mut Scratch,
+    input: &str,
+    start: usize,
+    ignore: &IgnoreKeys,
+) -> Result<RecordHead, HashError> {
     scratch.out.clear();
     scratch.members.clear();
     scratch.objects.clear();
     scratch.sorted.clear();
-    if raw.len() >= u32::MAX as usize / 2 {
+    if input.len() >= u32::MAX as usize / 2 {
         return Err(HashError::InvalidJson {
             offset: 0,
             reason: "record larger than 2 GiB",
         });
     }
     let mut parser = Parser {
-        input: raw.as_bytes(),
-        pos: 0,
+        input: input.as_bytes(),
+        pos: start,
         ignore,
         scratch,
+        head: RecordHead {
+            plain: true,
+            ..RecordHead::default()
+        },
     };
     parser.skip_ws();
     parser.value(0)?;
-    parser.skip_ws();
-    if parser.pos != parser.input.len() {
-        return Err(parser.error("trailing characters after the json value"));
-    }
+    let mut head = parser.head;
+    head.end = parser.pos;
     if !scratch.sorted.is_empty() {
         // Some object was out of order: write everything once more, each
         // object's members in key order, nested objects included.
@@ -247,7 +315,7 @@ fn canonicalize(scratch: &mut Scratch, raw: &str, ignore: &IgnoreKeys) -> Result
         emit_sorted(out, objects, sorted, all, resorted);
         std::mem::swap(out, resorted);
     }
-    Ok(())
+    Ok(head)
 }
 
 /// Appends `members` to `sorted` in key order; stable: duplicate keys keep
@@ -338,6 +406,8 @@ struct Parser<'a, 's> {
     pos: usize,
     ignore: &'a IgnoreKeys,
     scratch: &'s mut Scratch,
+    /// The top-level members the caller reads, found on the way.
+    head: RecordHead,
 }
 
 impl Parser<'_, '_> {
@@ -452,8 +522,10 @@ impl Parser<'_, '_> {
                 self.scratch.out.push(b',');
             }
             let start = self.scratch.out.len();
+            let key_in = self.pos;
             self.string()?;
             let key_end = self.scratch.out.len();
+            let key_in = key_in..self.pos;
             self.skip_ws();
             if self.peek() != Some(b':') {
                 return Err(self.error("expected ':' after object key"));
@@ -461,7 +533,11 @@ impl Parser<'_, '_> {
             self.pos += 1;
             self.scratch.out.push(b':');
             self.skip_ws();
+            let value_in = self.pos;
             self.value(depth)?;
+            if depth == 1 {
+                self.note_top_level(key_in, value_in..self.pos);
+            }
             let key = &self.scratch.out[start + 1..key_end - 1];
             let member = Member {
                 start: start as u32,
@@ -515,6 +591,26 @@ impl Parser<'_, '_> {
             (lo as u32, scratch.sorted.len() as u32)
         };
         self.close_object(index, first_member, (sorted_lo, sorted_hi))
+    }
+
+    /// Notes a top-level member whose key (quotes included) and value are
+    /// at `key` and `value` in the input, when it is `id` or `updated_at`.
+    fn note_top_level(&mut self, key: std::ops::Range<usize>, value: ValueSpan) {
+        let name = &self.input[key.start + 1..key.end - 1];
+        let slot = match name {
+            b"id" => &mut self.head.id,
+            b"updated_at" => &mut self.head.updated_at,
+            _ => {
+                if name.contains(&b'\\') {
+                    self.head.plain = false;
+                }
+                return;
+            }
+        };
+        if slot.is_some() {
+            self.head.plain = false;
+        }
+        *slot = Some(value);
     }
 
     /// Ends the object `index`, whose members start at `first_member`.

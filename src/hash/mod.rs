@@ -11,8 +11,8 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-pub(crate) use canonical::plain_run_end;
-use canonical::{escape_key, with_canonical};
+use canonical::{escape_key, with_canonical, with_canonical_at};
+pub(crate) use canonical::{plain_run_end, RecordHead, ValueSpan};
 pub use fields::{
     changed_fields, content_hash_with_fields, decode_field_list, encode_field_list, FieldHash,
     FieldHashes,
@@ -150,6 +150,20 @@ impl IgnoreKeys {
 /// Computes the content hash of one record's raw JSON text.
 pub fn content_hash(raw: &str, ignore: &IgnoreKeys) -> Result<ContentHash, HashError> {
     with_canonical(raw, ignore, |canonical| {
+        ContentHash(truncated(&blake3::hash(canonical)))
+    })
+}
+
+/// The content hash of the one JSON value starting at `start` in `input` (a
+/// record inside a list page), and what the same pass found of it: where it
+/// ends, its top-level `id` and `updated_at` (see [`RecordHead`]). The hash
+/// is [`content_hash`] of the value's text.
+pub(crate) fn content_hash_at(
+    input: &str,
+    start: usize,
+    ignore: &IgnoreKeys,
+) -> Result<(ContentHash, RecordHead), HashError> {
+    with_canonical_at(input, start, ignore, |canonical| {
         ContentHash(truncated(&blake3::hash(canonical)))
     })
 }

@@ -11,6 +11,9 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
+use crate::hash::plain_run_end;
+use crate::json::{skip_ws, value_end, walk_object, Visited};
+
 /// The attributes every message carries as headers, whatever the content
 /// mode: enough to route (type, tenant, op), dedupe (id) and locate (source,
 /// subject) an event. `op` is absent on replay frames and heartbeats.
@@ -65,6 +68,9 @@ impl<'a> Attributes<'a> {
     /// escaped, so the first `,"data":` is a key; should it be a nested one,
     /// the cut text is unbalanced, fails to parse, and the whole payload is read.
     pub fn routing_of(payload: &[u8]) -> Result<Vec<(&'static str, String)>, serde_json::Error> {
+        if let Some(routing) = flat_routing(payload) {
+            return Ok(routing);
+        }
         const DATA_KEY: &[u8] = b",\"data\":";
         if let Some(at) = payload.windows(DATA_KEY.len()).position(|w| w == DATA_KEY) {
             let mut head = Vec::with_capacity(at + 1);
@@ -111,6 +117,60 @@ impl<'a> Attributes<'a> {
     pub fn data(&self) -> Option<&'a RawValue> {
         self.fields.get("data").copied()
     }
+}
+
+/// The routing attributes of a structured event read by one scan of its
+/// attributes up to `data` (what `crate::event` writes: strings and numbers,
+/// each key once), the record in `data` never looked at; values as
+/// [`Attributes::value`] gives them. None for anything else (a nested
+/// value, an escaped or repeated routing key, a value serde would not
+/// read), which [`Attributes::routing_of`] then reads with serde.
+fn flat_routing(payload: &[u8]) -> Option<Vec<(&'static str, String)>> {
+    const NAMES: [&str; 8] = [
+        ROUTING_ATTRIBUTES[0],
+        ROUTING_ATTRIBUTES[1],
+        ROUTING_ATTRIBUTES[2],
+        ROUTING_ATTRIBUTES[3],
+        ROUTING_ATTRIBUTES[4],
+        ROUTING_ATTRIBUTES[5],
+        ROUTING_ATTRIBUTES[6],
+        OPTIONAL_ROUTING_ATTRIBUTES[0],
+    ];
+    let mut found: [Option<String>; 8] = Default::default();
+    let start = skip_ws(payload, 0);
+    walk_object(payload, start, |key, pos| {
+        if key == b"data" {
+            return Some(Visited::Stop);
+        }
+        let end = match payload.get(pos)? {
+            b'{' | b'[' => return None,
+            _ => value_end(payload, pos)?,
+        };
+        if let Some(slot) = NAMES.iter().position(|name| name.as_bytes() == key) {
+            if found[slot].is_some() {
+                return None;
+            }
+            let value = std::str::from_utf8(&payload[pos..end]).ok()?;
+            let inner = value
+                .strip_prefix('"')
+                .and_then(|v| v.strip_suffix('"'))
+                .filter(|v| plain_run_end(v.as_bytes(), 0) == v.len());
+            found[slot] = Some(match inner {
+                // A string without escapes or control characters is its text.
+                Some(text) => text.to_string(),
+                None if value.starts_with('"') => serde_json::from_str::<String>(value).ok()?,
+                None => value.to_string(),
+            });
+        }
+        Some(Visited::Until(end))
+    })?;
+    Some(
+        NAMES
+            .iter()
+            .zip(found)
+            .filter_map(|(name, value)| Some((*name, value?)))
+            .collect(),
+    )
 }
 
 /// The NATS header of an attribute (`ce-id`, `ce-type`, ...): the `ce-`
@@ -185,6 +245,11 @@ mod tests {
             r#"{"id":"a,\"data\":","meta":{"x":1,"data":{"type":"nested"}},"type":"t","tenant":2,"data":{}}"#,
             // No data at all (a dead letter).
             r#"{"id":"dl","type":"deadletter","op":"update","tenant":3}"#,
+            // Escaped routing values, `before` (a record as a string) and `changedfields`.
+            r#"{ "id" : "a\u0062" , "subject":"x\"y","tenant":4,"op":null,"before":"{\"id\":1,\"data\":2}","changedfields":"price,title","data":{"id":1}}"#,
+            // A repeated routing key: serde keeps the last.
+            r#"{"id":"first","id":"second","type":"t","data":{}}"#,
+            r#"{}"#,
         ] {
             let whole = Attributes::parse(payload.as_bytes()).unwrap().routing();
             assert_eq!(
@@ -194,5 +259,13 @@ mod tests {
             );
         }
         assert!(Attributes::routing_of(b"{\"id\":").is_err());
+        // What the encoder writes is read by the scan alone.
+        let event = crate::sinks::testing::sample_event(StreamKey::new(42, Resource::Vouchers), 7);
+        let scanned = flat_routing(&event.payload).expect("a flat head");
+        assert_eq!(
+            scanned,
+            Attributes::parse(&event.payload).unwrap().routing()
+        );
+        assert!(flat_routing(br#"{"id":"a","meta":{"x":1},"data":{}}"#).is_none());
     }
 }

@@ -257,7 +257,7 @@ pub fn sample_event(stream: StreamKey, id: i64) -> Event {
         content_hash: ContentHash(hash),
         previous_hash: None,
         replay: None,
-        data: &data,
+        data: data.get(),
         detected_at: Utc
             .timestamp_opt(1_714_557_600, 0)
             .single()

@@ -353,9 +353,11 @@ impl Sweeper {
         } else {
             Lane::Poll
         };
+        let hashing = Arc::new(self.settings.ignore_keys.clone());
         let mut run = SweepRun {
             sweeper: self,
-            client: self.client.in_lane(lane),
+            // Listed records are hashed as their page is read (one pass).
+            client: self.client.in_lane(lane).hashing(hashing),
             plan: &plan,
             cancel,
             report: SweepReport {
@@ -578,19 +580,26 @@ impl SweepRun<'_> {
             crashpoint::hit(crashpoint::names::AFTER_INTENTS);
 
             let detected_at = Utc::now();
-            let events: Vec<Event> = page
-                .changes
-                .iter()
-                .enumerate()
-                .map(|(i, c)| {
-                    let schema_base = &sweeper.settings.schema_base;
-                    c.event(stream, detected_at, schema_base, versions.attributes(i))
-                })
-                .collect();
-            let deliveries = self.publish_changes(&events).await?;
-            crashpoint::hit(crashpoint::names::AFTER_PUBLISH);
             let ops: Vec<Op> = page.changes.iter().map(|c| c.change.op).collect();
-            self.count_deliveries(&ops, &events, &deliveries);
+            // Published in chunks of at most PUBLISH_CHUNK_BYTES of records,
+            // each chunk's events dropped once acknowledged: a page of large
+            // records (a category lists its vouchers) never has all its
+            // events in memory at once beside the body.
+            let mut deliveries = Vec::with_capacity(page.changes.len());
+            for chunk in publish_chunks(&page.changes) {
+                let events: Vec<Event> = page.changes[chunk.clone()]
+                    .iter()
+                    .zip(chunk.clone())
+                    .map(|(c, i)| {
+                        let schema_base = &sweeper.settings.schema_base;
+                        c.event(stream, detected_at, schema_base, versions.attributes(i))
+                    })
+                    .collect();
+                let acked = self.publish_changes(&events).await?;
+                self.count_deliveries(&ops[chunk], &events, &acked);
+                deliveries.extend(acked);
+            }
+            crashpoint::hit(crashpoint::names::AFTER_PUBLISH);
             self.report.announced += announced;
             let commits = page.changes.iter().map(|c| c.commit(epoch)).collect();
             Acked::page(commits, deliveries, seen, epoch)?.with_versions(versions.stored)
@@ -771,8 +780,78 @@ impl SweepRun<'_> {
     }
 }
 
+/// Record bytes whose events a page publishes at a time (see [`publish_chunks`]).
+const PUBLISH_CHUNK_BYTES: usize = 1 << 20;
+
+/// The changes of a page split into runs of about [`PUBLISH_CHUNK_BYTES`] of
+/// records (at least one change each), in page order: a page of 50 vouchers
+/// (80 KB) is one run, a page of 50 categories listing their vouchers (6 MB)
+/// about six.
+fn publish_chunks(changes: &[PendingChange<'_>]) -> Vec<std::ops::Range<usize>> {
+    let mut chunks = Vec::new();
+    let mut start = 0;
+    let mut bytes = 0;
+    for (i, change) in changes.iter().enumerate() {
+        let size = change.record.raw.as_bytes().len();
+        if i > start && bytes + size > PUBLISH_CHUNK_BYTES {
+            chunks.push(start..i);
+            start = i;
+            bytes = 0;
+        }
+        bytes += size;
+    }
+    if start < changes.len() {
+        chunks.push(start..changes.len());
+    }
+    chunks
+}
+
 /// How long a `replay.cancelled` frame is retried before the cancel gives up on it.
 pub const CANCEL_FRAME_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Deletes confirmed, published and committed together (one GET each first).
 const DELETE_CHUNK: usize = 50;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::diff::Change;
+    use crate::hash::ContentHash;
+    use crate::upstream::page::RawJson;
+
+    #[test]
+    fn a_page_publishes_in_runs_of_about_a_mebibyte_of_records_in_page_order() {
+        let record = |id: i64, size: usize| {
+            let raw = format!(r#"{{"id":{id},"x":"{}"}}"#, "a".repeat(size));
+            Record::new(id, None, RawJson::from_string(raw).unwrap())
+        };
+        let change = |record| PendingChange {
+            record,
+            hash: ContentHash([0; 16]),
+            change: Change {
+                op: Op::Snapshot,
+                previous: None,
+                generation: 0,
+                seq: 1,
+                replay: None,
+            },
+            updated_at_micros: None,
+        };
+        let small: Vec<Record> = (0..50).map(|id| record(id, 1_600)).collect();
+        let changes: Vec<PendingChange<'_>> = small.iter().map(change).collect();
+        assert_eq!(publish_chunks(&changes), vec![0..50]);
+        let large: Vec<Record> = (0..50).map(|id| record(id, 114_000)).collect();
+        let changes: Vec<PendingChange<'_>> = large.iter().map(change).collect();
+        let chunks = publish_chunks(&changes);
+        assert_eq!(chunks.len(), 6);
+        assert_eq!(chunks[0], 0..9);
+        assert_eq!(chunks.last(), Some(&(45..50)));
+        let covered: Vec<usize> = chunks.into_iter().flatten().collect();
+        assert_eq!(covered, (0..50).collect::<Vec<_>>());
+        // A record larger than a chunk is a chunk of its own.
+        let huge: Vec<Record> = vec![record(1, 10), record(2, 3 << 20), record(3, 10)];
+        let changes: Vec<PendingChange<'_>> = huge.iter().map(change).collect();
+        assert_eq!(publish_chunks(&changes), vec![0..1, 1..2, 2..3]);
+        assert!(publish_chunks(&[]).is_empty());
+    }
+}

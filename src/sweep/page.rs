@@ -107,7 +107,7 @@ impl PendingChange<'_> {
             content_hash: self.hash,
             previous_hash: self.change.previous,
             replay: self.change.replay,
-            data: &self.record.raw,
+            data: self.record.raw.get(),
             detected_at,
             schema_base,
         };
@@ -176,10 +176,12 @@ pub fn plan_page<'a>(
 ) -> Result<PagePlan<'a>, SweepError> {
     let mut page = PagePlan::default();
     for record in dedupe(records) {
-        let hash = content_hash(record.raw.get(), ignore).map_err(|source| SweepError::Hash {
-            record_id: record.id,
-            source,
-        })?;
+        let hash = record
+            .content_hash(ignore)
+            .map_err(|source| SweepError::Hash {
+                record_id: record.id,
+                source,
+            })?;
         match plan_change(
             &known.known(record.id),
             hash,
@@ -308,7 +310,7 @@ impl Doomed {
                 content_hash: hash,
                 previous_hash: Some(self.last_hash),
                 replay: self.replay,
-                data: &data,
+                data: data.get(),
                 detected_at,
                 schema_base,
             },
@@ -342,14 +344,15 @@ mod tests {
     use crate::diff::SweepMode;
     use crate::state::ledger::plan_sweep;
     use crate::state::{StreamState, SweepKind};
+    use crate::upstream::page::RawJson;
 
     fn record(id: i64, title: &str) -> Record {
         let raw = format!(r#"{{"id":{id},"title":"{title}","updated_at":"2026-01-01T00:00:00Z"}}"#);
-        Record {
+        Record::new(
             id,
-            updated_at: Some("2026-01-01T00:00:00Z".into()),
-            raw: RawValue::from_string(raw).unwrap(),
-        }
+            Some("2026-01-01T00:00:00Z".into()),
+            RawJson::from_string(raw).unwrap(),
+        )
     }
 
     fn ignore() -> IgnoreKeys {
@@ -380,11 +383,7 @@ mod tests {
         let old = |id: i64, title: &str| {
             let at = "2023-01-01T00:00:00Z";
             let raw = format!(r#"{{"id":{id},"title":"{title}","updated_at":"{at}"}}"#);
-            Record {
-                id,
-                updated_at: Some(at.into()),
-                raw: RawValue::from_string(raw).unwrap(),
-            }
+            Record::new(id, Some(at.into()), RawJson::from_string(raw).unwrap())
         };
         let before = vec![record(1, "a"), old(2, "b"), record(3, "c")];
         let mut known = KnownRecords::default();
@@ -476,11 +475,11 @@ mod tests {
 
     #[test]
     fn a_record_that_cannot_be_hashed_names_its_id() {
-        let bad = Record {
-            id: 7,
-            updated_at: None,
-            raw: RawValue::from_string(format!("{}{}", "[".repeat(200), "]".repeat(200))).unwrap(),
-        };
+        let bad = Record::new(
+            7,
+            None,
+            RawJson::from_string(format!("{}{}", "[".repeat(200), "]".repeat(200))).unwrap(),
+        );
         let err = plan_page(
             std::slice::from_ref(&bad),
             &KnownRecords::default(),

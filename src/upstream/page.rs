@@ -5,12 +5,53 @@
 //! depends on neither.
 
 use std::fmt;
+use std::sync::Arc;
 
+use bytes::Bytes;
 use chrono::{DateTime, SecondsFormat, Utc};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
+use crate::hash::{content_hash, content_hash_at, ContentHash, HashError, IgnoreKeys, ValueSpan};
+use crate::json::{skip_ws, value_end, walk_object, Visited};
 use crate::stream::Resource;
+
+/// The text of one JSON value, byte for byte as the API sent it: a slice of
+/// the response body it came in (no copy), or text checked when built.
+/// Always valid UTF-8 JSON.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RawJson(Bytes);
+
+impl RawJson {
+    /// Checks that `json` is one JSON value (no whitespace around it) and keeps it.
+    pub fn from_string(json: String) -> Result<RawJson, serde_json::Error> {
+        Ok(RawJson::from(RawValue::from_string(json)?))
+    }
+
+    /// The JSON text.
+    pub fn get(&self) -> &str {
+        // Every constructor keeps valid UTF-8 (checked with the body it came
+        // in, or a `str` already); the fallback is never taken.
+        std::str::from_utf8(&self.0).unwrap_or("null")
+    }
+
+    /// The JSON text as bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl From<Box<RawValue>> for RawJson {
+    fn from(raw: Box<RawValue>) -> RawJson {
+        RawJson(Bytes::from(String::from(Box::<str>::from(raw))))
+    }
+}
+
+impl fmt::Debug for RawJson {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("RawJson").field(&self.get()).finish()
+    }
+}
 
 /// One listed record: the exact JSON the API returned plus the few typed
 /// fields the bridge needs. Unknown fields are kept in `raw`.
@@ -21,7 +62,40 @@ pub struct Record {
     /// The record's `updated_at`, exactly as the API wrote it (None when null or absent).
     pub updated_at: Option<String>,
     /// The record exactly as returned, byte for byte.
-    pub raw: Box<RawValue>,
+    pub raw: RawJson,
+    /// Its content hash, when the pass that read the page computed it.
+    pub hashed: Option<Prehashed>,
+}
+
+/// A record's content hash computed while its page was read, and the keys
+/// it was computed without.
+#[derive(Debug, Clone)]
+pub struct Prehashed {
+    /// `poll.ignore_keys` of the listing.
+    pub ignore: Arc<IgnoreKeys>,
+    /// The content hash of `raw` without those keys.
+    pub hash: ContentHash,
+}
+
+impl Record {
+    /// A record read from `raw`, not hashed yet.
+    pub fn new(id: i64, updated_at: Option<String>, raw: RawJson) -> Record {
+        Record {
+            id,
+            updated_at,
+            raw,
+            hashed: None,
+        }
+    }
+
+    /// Its content hash without `ignore`: the one computed when its page
+    /// was read when that left out the same keys, else computed now.
+    pub fn content_hash(&self, ignore: &IgnoreKeys) -> Result<ContentHash, HashError> {
+        match &self.hashed {
+            Some(pre) if *pre.ignore == *ignore => Ok(pre.hash),
+            _ => content_hash(self.raw.get(), ignore),
+        }
+    }
 }
 
 /// One page of a listing.
@@ -120,9 +194,10 @@ pub struct DecodedPage {
 
 /// The list envelope; `data` items stay raw so no record is ever re-encoded.
 #[derive(Deserialize)]
-struct Envelope {
-    /// The records, byte for byte.
-    data: Vec<Box<RawValue>>,
+struct Envelope<'a> {
+    /// The records, byte for byte, borrowed from the body.
+    #[serde(borrow)]
+    data: Vec<&'a RawValue>,
     /// Required key; null on the last page.
     #[serde(deserialize_with = "Option::deserialize")]
     next_cursor: Option<String>,
@@ -141,14 +216,15 @@ struct RecordHead<'a> {
     updated_at: Option<&'a RawValue>,
 }
 
-/// Decodes one list response body: envelope errors fail the page, a bad record only skips itself.
-pub fn decode_page(body: &[u8]) -> Result<DecodedPage, String> {
-    let envelope: Envelope =
+/// Decodes one list response body: envelope errors fail the page, a bad
+/// record only skips itself. Records are slices of `body` (no copy).
+pub fn decode_page(body: &Bytes) -> Result<DecodedPage, String> {
+    let envelope: Envelope<'_> =
         serde_json::from_slice(body).map_err(|e| format!("body is not a list envelope: {e}"))?;
     let mut records = Vec::with_capacity(envelope.data.len());
     let mut skipped_records = Vec::new();
     for (position, raw) in envelope.data.into_iter().enumerate() {
-        match decode_record(raw) {
+        match decode_record_in(body, raw) {
             Ok(record) => records.push(record),
             Err(reason) => skipped_records.push(SkippedRecord { position, reason }),
         }
@@ -164,6 +240,122 @@ pub fn decode_page(body: &[u8]) -> Result<DecodedPage, String> {
     })
 }
 
+/// [`decode_page`], with every record's content hash (without `ignore`)
+/// computed by the same pass that reads it: the canonical parser checks each
+/// record, finds where it ends and its `id` and `updated_at`, so the body is
+/// read once instead of three times (envelope, heads, hashes). A page with
+/// anything unusual (a record skipped, an escaped or repeated top-level key, a
+/// record the canonical form refuses, a repeated envelope key) is decoded by
+/// [`decode_page`] instead, which words every error and skip as before; its
+/// records are hashed later.
+pub fn decode_page_hashed(body: &Bytes, ignore: &Arc<IgnoreKeys>) -> Result<DecodedPage, String> {
+    match decode_plain_page(body, ignore) {
+        Some(page) => Ok(page),
+        None => decode_page(body),
+    }
+}
+
+/// The one-pass decoding of [`decode_page_hashed`]; None for anything unusual.
+fn decode_plain_page(body: &Bytes, ignore: &Arc<IgnoreKeys>) -> Option<DecodedPage> {
+    let text = std::str::from_utf8(body).ok()?;
+    let bytes = text.as_bytes();
+    let mut records = None;
+    let mut next_cursor = None;
+    let mut server_time = None;
+    let start = skip_ws(bytes, 0);
+    let end = walk_object(bytes, start, |key, pos| {
+        let end = match key {
+            b"data" if records.is_none() => {
+                let (list, end) = decode_plain_records(body, text, pos, ignore)?;
+                records = Some(list);
+                end
+            }
+            b"next_cursor" if next_cursor.is_none() => {
+                let end = value_end(bytes, pos)?;
+                let cursor = serde_json::from_str::<Option<String>>(text.get(pos..end)?);
+                next_cursor = Some(cursor.ok()?);
+                end
+            }
+            b"server_time" if server_time.is_none() => {
+                let end = value_end(bytes, pos)?;
+                let time = serde_json::from_str::<DateTime<Utc>>(text.get(pos..end)?);
+                server_time = Some(time.ok()?);
+                end
+            }
+            b"data" | b"next_cursor" | b"server_time" => return None,
+            // Any other member: checked as JSON (serde would), then left.
+            _ => content_hash_at(text, pos, &IgnoreKeys::none()).ok()?.1.end,
+        };
+        Some(Visited::Until(end))
+    })?;
+    if skip_ws(bytes, end) != bytes.len() {
+        return None;
+    }
+    Some(DecodedPage {
+        page: Page {
+            records: records?,
+            next_cursor: next_cursor?,
+            server_time: server_time?,
+            skipped: 0,
+        },
+        skipped_records: Vec::new(),
+    })
+}
+
+/// The records of the `data` array starting at `start`, each read and hashed
+/// in one pass, and the end of the array; None when any is unusual.
+fn decode_plain_records(
+    body: &Bytes,
+    text: &str,
+    start: usize,
+    ignore: &Arc<IgnoreKeys>,
+) -> Option<(Vec<Record>, usize)> {
+    let bytes = text.as_bytes();
+    if bytes.get(start) != Some(&b'[') {
+        return None;
+    }
+    let mut records = Vec::new();
+    let mut pos = skip_ws(bytes, start + 1);
+    if bytes.get(pos) == Some(&b']') {
+        return Some((records, pos + 1));
+    }
+    loop {
+        if bytes.get(pos) != Some(&b'{') {
+            return None;
+        }
+        let (hash, head) = content_hash_at(text, pos, ignore).ok()?;
+        if !head.plain {
+            return None;
+        }
+        let id = plain_id(text, head.id?)?;
+        let updated_at = match head.updated_at {
+            Some(at) => serde_json::from_str::<String>(text.get(at)?).ok(),
+            None => None,
+        };
+        records.push(Record {
+            id,
+            updated_at,
+            raw: RawJson(body.slice(pos..head.end)),
+            hashed: Some(Prehashed {
+                ignore: ignore.clone(),
+                hash,
+            }),
+        });
+        pos = skip_ws(bytes, head.end);
+        match bytes.get(pos) {
+            Some(b',') => pos = skip_ws(bytes, pos + 1),
+            Some(b']') => return Some((records, pos + 1)),
+            _ => return None,
+        }
+    }
+}
+
+/// A record's `id` when it is an integer that fits in i64 (else the record
+/// is skipped, which [`decode_page`] words).
+fn plain_id(text: &str, span: ValueSpan) -> Option<i64> {
+    serde_json::from_str::<i64>(text.get(span)?).ok()
+}
+
 /// Finds the top-level `id` and `updated_at` of a record the envelope
 /// already validated as JSON, without a second full parse: one pass that
 /// only tracks strings and nesting. None when the record is not the plain
@@ -171,32 +363,11 @@ pub fn decode_page(body: &[u8]) -> Result<DecodedPage, String> {
 /// not look like an object): the caller then asks serde.
 fn scan_head(text: &str) -> Option<RecordHead<'_>> {
     let bytes = text.as_bytes();
-    let mut pos = skip_ws(bytes, 0);
-    if bytes.get(pos) != Some(&b'{') {
-        return None;
-    }
-    pos = skip_ws(bytes, pos + 1);
     let mut head = RecordHead {
         id: None,
         updated_at: None,
     };
-    if bytes.get(pos) == Some(&b'}') {
-        return Some(head);
-    }
-    loop {
-        if bytes.get(pos) != Some(&b'"') {
-            return None;
-        }
-        let key_end = string_end(bytes, pos)?;
-        let key = &bytes[pos + 1..key_end - 1];
-        if key.contains(&b'\\') {
-            return None;
-        }
-        pos = skip_ws(bytes, key_end);
-        if bytes.get(pos) != Some(&b':') {
-            return None;
-        }
-        let value_start = skip_ws(bytes, pos + 1);
+    walk_object(bytes, skip_ws(bytes, 0), |key, value_start| {
         let value_end = value_end(bytes, value_start)?;
         let slot = match key {
             b"id" => Some(&mut head.id),
@@ -211,77 +382,14 @@ fn scan_head(text: &str) -> Option<RecordHead<'_>> {
                 serde_json::from_str::<&RawValue>(text.get(value_start..value_end)?).ok()?;
             *slot = Some(value);
         }
-        pos = skip_ws(bytes, value_end);
-        match bytes.get(pos) {
-            Some(b',') => pos = skip_ws(bytes, pos + 1),
-            Some(b'}') => return Some(head),
-            _ => return None,
-        }
-    }
+        Some(Visited::Until(value_end))
+    })?;
+    Some(head)
 }
 
-fn skip_ws(bytes: &[u8], mut pos: usize) -> usize {
-    while let Some(b' ' | b'\n' | b'\r' | b'\t') = bytes.get(pos) {
-        pos += 1;
-    }
-    pos
-}
-
-/// The end (one past the closing quote) of the string opening at `start`.
-fn string_end(bytes: &[u8], start: usize) -> Option<usize> {
-    let mut pos = start + 1;
-    loop {
-        // Eight bytes at a time up to the next quote, backslash (or control
-        // character, which valid JSON strings do not hold).
-        pos = crate::hash::plain_run_end(bytes, pos);
-        match bytes.get(pos)? {
-            b'"' => return Some(pos + 1),
-            b'\\' => pos += 2,
-            _ => pos += 1,
-        }
-    }
-}
-
-/// The end of the (valid) JSON value starting at `start`.
-fn value_end(bytes: &[u8], start: usize) -> Option<usize> {
-    match bytes.get(start)? {
-        b'"' => string_end(bytes, start),
-        b'{' | b'[' => {
-            let mut depth = 0usize;
-            let mut pos = start;
-            loop {
-                match bytes.get(pos)? {
-                    b'"' => {
-                        pos = string_end(bytes, pos)?;
-                        continue;
-                    }
-                    b'{' | b'[' => depth += 1,
-                    b'}' | b']' => {
-                        depth -= 1;
-                        if depth == 0 {
-                            return Some(pos + 1);
-                        }
-                    }
-                    _ => {}
-                }
-                pos += 1;
-            }
-        }
-        _ => {
-            let mut pos = start;
-            while let Some(b) = bytes.get(pos) {
-                if matches!(b, b',' | b'}' | b']' | b' ' | b'\n' | b'\r' | b'\t') {
-                    break;
-                }
-                pos += 1;
-            }
-            Some(pos)
-        }
-    }
-}
-
-/// Reads `id` and `updated_at` from a raw record and keeps the record as it is.
-pub fn decode_record(raw: Box<RawValue>) -> Result<Record, SkipReason> {
+/// Reads `id` and `updated_at` from `raw`, a record inside `body`, and keeps
+/// the record as it is: a slice of `body`, not a copy.
+pub fn decode_record_in(body: &Bytes, raw: &RawValue) -> Result<Record, SkipReason> {
     if !raw.get().starts_with('{') {
         return Err(SkipReason::NotAnObject);
     }
@@ -304,11 +412,20 @@ pub fn decode_record(raw: Box<RawValue>) -> Result<Record, SkipReason> {
     let updated_at = head
         .updated_at
         .and_then(|value| serde_json::from_str::<String>(value.get()).ok());
-    Ok(Record {
-        id,
-        updated_at,
-        raw,
-    })
+    Ok(Record::new(id, updated_at, slice_of(body, raw)))
+}
+
+/// `raw`, borrowed from `body`, as a slice of `body` (a copy should it not
+/// lie inside it).
+fn slice_of(body: &Bytes, raw: &RawValue) -> RawJson {
+    let text = raw.get();
+    let offset = (text.as_ptr() as usize).wrapping_sub(body.as_ptr() as usize);
+    match offset.checked_add(text.len()) {
+        Some(end) if end <= body.len() && body.get(offset..end) == Some(text.as_bytes()) => {
+            RawJson(body.slice(offset..end))
+        }
+        _ => RawJson(Bytes::copy_from_slice(text.as_bytes())),
+    }
 }
 
 #[cfg(test)]
@@ -316,11 +433,59 @@ mod tests {
     use super::*;
     use chrono::TimeZone;
 
+    /// What a decoding gives, comparable.
+    type Summary = (
+        Vec<(i64, Option<String>, String)>,
+        Option<String>,
+        DateTime<Utc>,
+        Vec<SkippedRecord>,
+    );
+
+    fn summary(decoded: &DecodedPage) -> Summary {
+        let records = decoded.page.records.iter();
+        (
+            records
+                .map(|r| (r.id, r.updated_at.clone(), r.raw.get().to_string()))
+                .collect(),
+            decoded.page.next_cursor.clone(),
+            decoded.page.server_time,
+            decoded.skipped_records.clone(),
+        )
+    }
+
+    /// Decodes `body` with serde's decoding and with the one pass that
+    /// hashes too, checks that both give the same page (or error), and that
+    /// each hash computed on the way is the record's content hash.
+    fn decode(body: &'static [u8]) -> Result<DecodedPage, String> {
+        let body = Bytes::from_static(body);
+        let ignore = Arc::new(IgnoreKeys::new(["updated_at"]));
+        let serde = decode_page(&body);
+        let one_pass = decode_page_hashed(&body, &ignore);
+        match (&serde, &one_pass) {
+            (Ok(serde), Ok(one_pass)) => {
+                assert_eq!(summary(serde), summary(one_pass));
+                for record in &one_pass.page.records {
+                    let Ok(expected) = content_hash(record.raw.get(), &ignore) else {
+                        assert!(record.hashed.is_none());
+                        continue;
+                    };
+                    if let Some(pre) = &record.hashed {
+                        assert_eq!(pre.hash, expected, "{}", record.raw.get());
+                    }
+                    assert_eq!(record.content_hash(&ignore).unwrap(), expected);
+                }
+            }
+            (Err(serde), Err(one_pass)) => assert_eq!(serde, one_pass),
+            _ => panic!("decodings disagree: {serde:?} / {one_pass:?}"),
+        }
+        serde
+    }
+
     #[test]
     fn a_page_keeps_every_record_byte_for_byte_with_unknown_fields() {
         let body = br#"{"data":[{"id":1,"title":"A","future_field":{"x":[1,2.50]},"updated_at":"2024-01-02T03:04:05.000000Z"},
             {"updated_at":null,"id":2}],"next_cursor":"abc==","server_time":"2024-01-02T03:04:06Z","extra":true}"#;
-        let decoded = decode_page(body).unwrap();
+        let decoded = decode(body).unwrap();
         let page = decoded.page;
         assert_eq!(page.records.len(), 2);
         assert_eq!(
@@ -345,7 +510,7 @@ mod tests {
     fn records_without_a_usable_id_are_skipped_with_their_position() {
         let body = br#"{"data":[{"id":1},{"title":"no id"},{"id":"7"},{"id":1.5},{"id":null},42,{"id":99999999999999999999},{"id":-3},{"id":4,"id":5}],
             "next_cursor":null,"server_time":"2024-01-02T03:04:06+00:00"}"#;
-        let decoded = decode_page(body).unwrap();
+        let decoded = decode(body).unwrap();
         let ids: Vec<i64> = decoded.page.records.iter().map(|r| r.id).collect();
         assert_eq!(ids, vec![1, -3]);
         assert_eq!(decoded.page.skipped, 7);
@@ -415,12 +580,74 @@ mod tests {
     fn a_non_string_updated_at_is_read_as_absent_and_escapes_are_decoded() {
         let body = br#"{"data":[{"id":1,"updated_at":17},{"id":2,"updated_at":"2024-01-01T00:00:00\u005A"}],
             "next_cursor":null,"server_time":"2024-01-02T03:04:06Z"}"#;
-        let page = decode_page(body).unwrap().page;
+        let page = decode(body).unwrap().page;
         assert_eq!(page.records[0].updated_at, None);
         assert_eq!(
             page.records[1].updated_at.as_deref(),
             Some("2024-01-01T00:00:00Z")
         );
+    }
+
+    #[test]
+    fn a_plain_page_is_read_once_its_records_hashed_and_sliced_from_the_body() {
+        let body = Bytes::from_static(
+            br#" { "next_cursor" : "c1" , "meta":{"x":[1,{"y":"}"}]},
+            "data" : [ {"title":"B","id":2,"updated_at":"2024-01-01T00:00:00Z","n":{"b":1,"a":2}} ,
+            {"id":3} ] , "server_time":"2024-01-02T03:04:06Z" } "#,
+        );
+        let ignore = Arc::new(IgnoreKeys::new(["updated_at"]));
+        let page = decode_page_hashed(&body, &ignore).unwrap().page;
+        assert_eq!(page.records.len(), 2);
+        for record in &page.records {
+            let pre = record.hashed.as_ref().expect("hashed in the one pass");
+            assert!(Arc::ptr_eq(&pre.ignore, &ignore));
+            assert_eq!(pre.hash, content_hash(record.raw.get(), &ignore).unwrap());
+            // A slice of the body, not a copy.
+            let start = record.raw.as_bytes().as_ptr() as usize - body.as_ptr() as usize;
+            assert!(start + record.raw.as_bytes().len() <= body.len());
+        }
+        assert_eq!(page.records[0].id, 2);
+        assert_eq!(
+            page.records[0].updated_at.as_deref(),
+            Some("2024-01-01T00:00:00Z")
+        );
+        assert_eq!(page.records[1].raw.get(), r#"{"id":3}"#);
+        assert_eq!(page.next_cursor.as_deref(), Some("c1"));
+        // A hash computed without other keys is not reused.
+        let other = IgnoreKeys::none();
+        assert_eq!(
+            page.records[0].content_hash(&other).unwrap(),
+            content_hash(page.records[0].raw.get(), &other).unwrap()
+        );
+        assert_ne!(
+            page.records[0].content_hash(&other).unwrap(),
+            page.records[0].content_hash(&ignore).unwrap()
+        );
+    }
+
+    #[test]
+    fn pages_the_one_pass_leaves_to_serde_decode_as_serde_decodes_them() {
+        for body in [
+            // An escaped top-level key, a repeated id, a record that is no object.
+            &br#"{"data":[{"i\u0064":1},{"id":2,"id":3},[1],{"id":4}],"next_cursor":null,"server_time":"2024-01-02T03:04:06Z"}"#[..],
+            // A number the canonical form refuses (serde reads it): hashed later, and failing there.
+            br#"{"data":[{"id":1,"x":1e99999999999999999999}],"next_cursor":null,"server_time":"2024-01-02T03:04:06Z"}"#,
+            // An envelope key given twice, an escaped envelope key.
+            br#"{"data":[],"data":[],"next_cursor":null,"server_time":"2024-01-02T03:04:06Z"}"#,
+            br#"{"d\u0061ta":[{"id":1}],"data":[],"next_cursor":null,"server_time":"2024-01-02T03:04:06Z"}"#,
+            // Broken records and members the one pass finds broken first.
+            br#"{"data":[{"id":1,"x":01}],"next_cursor":null,"server_time":"2024-01-02T03:04:06Z"}"#,
+            br#"{"meta":[1,],"data":[{"id":1}],"next_cursor":null,"server_time":"2024-01-02T03:04:06Z"}"#,
+            br#"{"data":[{"id":1}],"next_cursor":null,"server_time":"2024-01-02T03:04:06Z"} x"#,
+            br#"{"data":[{"id":1,"s":"\ud800"}],"next_cursor":7,"server_time":"2024-01-02T03:04:06Z"}"#,
+            br#"{"data":[{"id":1,"s":"\ud800"}],"next_cursor":"a","server_time":"2024-01-02T03:04:06Z"}"#,
+            b"{\"data\":[{\"id\":1,\"s\":\"\xff\"}],\"next_cursor\":null,\"server_time\":\"2024-01-02T03:04:06Z\"}",
+        ] {
+            // `decode` checks that both decodings agree.
+            let _ = decode(body);
+        }
+        let lone = decode(br#"{"data":[{"id":1,"s":"\ud800"}],"next_cursor":"a","server_time":"2024-01-02T03:04:06Z"}"#);
+        assert_eq!(lone.unwrap().page.records[0].id, 1);
     }
 
     #[test]
@@ -446,7 +673,7 @@ mod tests {
             (br#"{"data":[{"id":1},{"id":2"#, "EOF"),
             (b"<html>", "expected value"),
         ] {
-            let err = decode_page(body).unwrap_err();
+            let err = decode(body).unwrap_err();
             assert!(err.starts_with("body is not a list envelope: "), "{err}");
             assert!(err.contains(cause), "{err} lacks {cause}");
         }

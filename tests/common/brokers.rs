@@ -538,7 +538,7 @@ pub fn sample_event(stream: StreamKey, id: u64, op: Op, payload_bytes: usize) ->
             content_hash: ContentHash(hash),
             previous_hash: previous,
             replay: None,
-            data: &raw,
+            data: raw.get(),
             detected_at: Utc::now(),
             schema_base: &DEFAULT_SCHEMA_BASE,
         })
@@ -568,7 +568,7 @@ pub fn update_with_version(stream: StreamKey, id: i64) -> Event {
             content_hash: ContentHash([7; 16]),
             previous_hash: Some(ContentHash([6; 16])),
             replay: None,
-            data: &data,
+            data: data.get(),
             detected_at: Utc::now(),
             schema_base: &DEFAULT_SCHEMA_BASE,
         },
