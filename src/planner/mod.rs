@@ -1356,9 +1356,7 @@ mod tests {
         let mut core = PlannerCore::new(PlannerSettings {
             interval: secs(5),
             max_interval: secs(120),
-            poll_lanes: POLL_LANES,
-            full_resync_interval: secs(3600),
-            tail_guard: TAIL_SHARE,
+            ..settings(POLL_LANES)
         });
         core.set_paced_rate(Some(57.0 / 60.0));
         let mut keys: Vec<_> = (1..=20).map(key).collect();
@@ -1498,9 +1496,7 @@ mod tests {
         let mut core = PlannerCore::new(PlannerSettings {
             interval: secs(5),
             max_interval: secs(300),
-            poll_lanes: POLL_LANES,
-            full_resync_interval: secs(3600),
-            tail_guard: TAIL_SHARE,
+            ..settings(POLL_LANES)
         });
         core.set_paced_rate(Some(20.0 / 60.0));
         for t in 1..=20 {

@@ -126,6 +126,21 @@ pub fn pick_change(roll: u32, count: usize, initial: usize) -> Change {
     }
 }
 
+/// The stream a background change lands on: a tenant from `picker`, then
+/// vouchers 80 times in 100, categories otherwise; None when no tenant may change.
+fn pick_stream(
+    picker: &TenantPicker,
+    rng: &mut rand::rngs::StdRng,
+) -> Option<(TenantId, Resource)> {
+    let tenant = picker.pick(rng)?;
+    let resource = if rng.random_bool(0.8) {
+        Resource::Vouchers
+    } else {
+        Resource::Categories
+    };
+    Some((tenant, resource))
+}
+
 /// Applies one random change on a tenant from `picker`; returns what it
 /// did, None when no tenant may change or the change did not apply.
 pub fn mutate_once(
@@ -134,12 +149,7 @@ pub fn mutate_once(
     picker: &TenantPicker,
     seed_stream: &mut rand::rngs::StdRng,
 ) -> Option<AppliedChange> {
-    let tenant = picker.pick(seed_stream)?;
-    let resource = if seed_stream.random_bool(0.8) {
-        Resource::Vouchers
-    } else {
-        Resource::Categories
-    };
+    let (tenant, resource) = pick_stream(picker, seed_stream)?;
     let start = initial
         .iter()
         .find(|(r, _)| *r == resource)
@@ -198,13 +208,8 @@ pub fn backdate(
         std::collections::HashMap::new();
     let mut applied = 0;
     for i in 0..count {
-        let Some(tenant) = picker.pick(&mut rng) else {
+        let Some((tenant, resource)) = pick_stream(picker, &mut rng) else {
             break;
-        };
-        let resource = if rng.random_bool(0.8) {
-            Resource::Vouchers
-        } else {
-            Resource::Categories
         };
         let roll = rng.random_range(0..100);
         let records = ids
