@@ -1215,3 +1215,60 @@ async fn a_first_sync_resumed_after_most_of_its_records_vanished_deletes_them_un
     assert_eq!(h.store.record_count(stream).unwrap(), 75);
     assert!(h.store.load_stream(stream).unwrap().watermark.is_some());
 }
+
+#[tokio::test]
+async fn a_fatal_sink_error_in_a_later_publish_run_of_a_page_commits_nothing_of_the_page() {
+    let mut h = spawn_harness(1, 12, 0).await;
+    let stream = StreamKey::new(1, V);
+    let ids = h.sim.record_ids(1, V);
+    // 300 KB records: a page's events go out in several ~1 MiB publish runs.
+    for id in &ids {
+        assert!(h.sim.set_oversize(1, V, *id, 300_000));
+    }
+    h.sweep(1, V, SweepKind::Incremental).await;
+    let committed: Vec<String> = ids.iter().map(|id| h.hash_of(1, V, *id)).collect();
+    let watermark = h.store.load_stream(stream).unwrap().watermark;
+    for id in &ids {
+        h.sim.update(1, V, *id);
+    }
+    // The page's last record is rejected: every run before its run was acked.
+    let poison = ids[ids.len() - 1].to_string();
+    h.sink.set_mode(FaultMode::Reject {
+        target: voucher_cdc::sinks::testing::RejectTarget::Matching(Arc::new(move |e| {
+            e.partition_key.ends_with(&format!(":{poison}"))
+        })),
+        error: voucher_cdc::sinks::SinkError::Fatal("rejected".into()),
+    });
+    h.sink.take();
+    let calls = h.sink.publish_calls();
+    assert!(h
+        .sweeper(stream)
+        .run(SweepKind::Incremental, &CancellationToken::new())
+        .await
+        .is_err());
+    assert!(
+        h.sink.publish_calls() - calls >= 3,
+        "the page went out in {} publish calls",
+        h.sink.publish_calls() - calls
+    );
+    let first_try: Vec<Value> = h.sink.take().iter().map(json).collect();
+    assert!(first_try.len() >= 6, "{} events acked", first_try.len());
+    // Nothing of the page is committed, though most of it was acknowledged.
+    for (id, hash) in ids.iter().zip(&committed) {
+        let stored = h.store.get_records(stream, &[*id]).unwrap()[0].unwrap();
+        assert_eq!(&stored.hash.to_hex(), hash, "record {id} committed early");
+    }
+    assert_eq!(h.store.load_stream(stream).unwrap().watermark, watermark);
+    assert!(!h.store.pending_intents(stream).unwrap().is_empty());
+
+    // After a restart with the sink healthy, every change is published
+    // (those acked before under the same ids) and then committed.
+    h.sink.set_mode(FaultMode::Normal);
+    h.reopen();
+    let second_try = h.sweep(1, V, SweepKind::Incremental).await;
+    let acked: Vec<Value> = first_try.iter().chain(&second_try).cloned().collect();
+    assert_duplicates_share_ids(&acked);
+    assert_nothing_lost(&h, stream, &acked, &[]);
+    assert!(h.store.pending_intents(stream).unwrap().is_empty());
+    assert!(h.sweep(1, V, SweepKind::Full).await.is_empty());
+}
