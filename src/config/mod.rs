@@ -296,7 +296,8 @@ pub struct PollConfig {
     pub full_sweep_share: f64,
     /// The planner's tail target, as a share of the round a uniform schedule
     /// would take: every stream but the coldest (whose changes are too few
-    /// to move the p99) is polled at least that often (0 turns it off: the
+    /// to move the p99) is polled at least that often, the hottest at the
+    /// period that polls half the changes soonest (0 turns it off: the
     /// square-root law alone up to `max_interval`, the lowest mean).
     #[serde(default = "default_tail_guard")]
     pub tail_guard: f64,

@@ -18,12 +18,13 @@
 //!    target period, earliest first (work-conserving: a budget the targets
 //!    leave unspent polls the next streams a little early).
 //!
-//! The target periods ([`targets`]) follow the square-root law
-//! `T ∝ sqrt(cost / rate)` (Cho and Garcia-Molina 2003) under a tail target
-//! (`poll.tail_guard` x the round a uniform schedule would take), with the
-//! coldest streams, whose changes are too few to move the p99, held only to
-//! the cap. Rates are learnt from the changes the upstream announced since
-//! each stream's previous listing, with a long memory, pooled per tenant and
+//! The target periods ([`targets`]) hold every stream to a tail target
+//! (`poll.tail_guard` x the round a uniform schedule would take), the coldest
+//! streams, whose changes are too few to move the p99, only to the cap; the
+//! budget left polls the hottest streams at one hot period, the least that
+//! catches half the changes within it (the median rule). Rates are learnt
+//! from the changes the upstream announced since each stream's previous
+//! listing, with a long memory, pooled per tenant and
 //! shrunk toward the token's population of tenants (empirical Bayes); a
 //! stream that turns hot is followed within a few polls. When the budget
 //! covers every stream every `poll.interval`, every target is the floor:

@@ -17,9 +17,11 @@
 //!    share of the round a uniform schedule would take, bounds every stream
 //!    but the coldest, which go to the cap as long as the changes they carry
 //!    would add at most [`TAIL_EXCESS`] of all changes above the tail target
-//!    (the p99 keeps its margin); the budget left is spent by the
-//!    square-root law (Cho and Garcia-Molina 2003) between the floor and the
-//!    tail target.
+//!    (the p99 keeps its margin); the budget left is spent on the median:
+//!    the hottest streams at one hot period, the least that polls half the
+//!    changes within it (bang-bang; docs/planner.md). Without a tail target
+//!    (`poll.tail_guard = 0`) the square-root law (Cho and Garcia-Molina
+//!    2003) spends it instead, the lowest mean.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -347,42 +349,152 @@ pub fn target_periods(demands: &[Demand], budget: Option<f64>, limits: Limits) -
         }
         target = hi;
     }
-    let tail = tail_for(target);
-    // The square-root law between the floor and the tail target, spending what is left.
-    let periods_at = |theta: f64| -> Vec<f64> {
-        (0..n)
-            .map(|i| {
-                if tail[i] {
-                    cap
-                } else if demands[i].rate <= 0.0 {
-                    target
-                } else {
-                    (theta * costs[i] / demands[i].rate)
-                        .sqrt()
-                        .clamp(floor, target)
-                }
-            })
-            .collect()
+    let mut tail = tail_for(target);
+    let base: Vec<f64> = (0..n).map(|i| if tail[i] { cap } else { target }).collect();
+    let spread = Spread {
+        demands,
+        costs: &costs,
+        base: &base,
+        floor,
+        budget,
     };
-    let cost_of = |periods: &[f64]| -> f64 { periods.iter().zip(&costs).map(|(t, c)| c / t).sum() };
-    let (mut lo, mut hi) = (1e-12f64, 1e12f64);
-    for _ in 0..100 {
-        let mid = (lo * hi).sqrt();
-        if cost_of(&periods_at(mid)) > budget {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
+    let periods = if limits.tail_share > 0.0 {
+        // Hottest first (rate per request), ties by the hash.
+        let hottest: Vec<usize> = order.iter().rev().copied().collect();
+        spread.median_rule(&hottest, target)
+    } else {
+        spread.square_root_law()
+    };
+    // A cold stream the budget had room for is no longer held to the cap.
+    for (quiet, period) in tail.iter_mut().zip(&periods) {
+        *quiet = *quiet && *period >= cap;
     }
     Targets {
-        periods: periods_at(hi)
-            .into_iter()
-            .map(Duration::from_secs_f64)
-            .collect(),
+        periods: periods.into_iter().map(Duration::from_secs_f64).collect(),
         tail,
         tail_target: Some(Duration::from_secs_f64(target)),
     }
 }
+
+/// The budget left above the base schedule (every stream at the tail target,
+/// the cold tail at the cap), and the two ways to spend it.
+struct Spread<'a> {
+    demands: &'a [Demand],
+    costs: &'a [f64],
+    /// Each stream's period before the spread (seconds).
+    base: &'a [f64],
+    /// `poll.interval` (seconds).
+    floor: f64,
+    /// Requests a second the schedule may spend.
+    budget: f64,
+}
+
+impl Spread<'_> {
+    /// Requests a second `periods` spend.
+    fn spend(&self, periods: &[f64]) -> f64 {
+        periods.iter().zip(self.costs).map(|(t, c)| c / t).sum()
+    }
+
+    /// Changes a second polled within `x` of happening (a change waits
+    /// `U(0, period)` for its stream's next poll).
+    fn caught_within(&self, x: f64, periods: &[f64]) -> f64 {
+        periods
+            .iter()
+            .zip(self.demands)
+            .map(|(period, d)| d.rate.max(0.0) * (x / period).min(1.0))
+            .sum()
+    }
+
+    /// The median rule: streams in `hottest` order brought down to one hot
+    /// period `x`, the least at which the budget polls [`MEDIAN_SHARE`] of
+    /// the changes within `x` (at most `target`). A change polled within `x`
+    /// counts the same for the median however early, so spending on a stream
+    /// buys `rate x` per request-rate, linear in its poll rate: the optimum is
+    /// bang-bang, hottest first, the rest left at their base.
+    fn median_rule(&self, hottest: &[usize], target: f64) -> Vec<f64> {
+        let total: f64 = self.demands.iter().map(|d| d.rate.max(0.0)).sum();
+        let left = self.budget - self.spend(self.base);
+        if total <= 0.0 || left <= 0.0 {
+            return self.base.to_vec();
+        }
+        let enough =
+            |x: f64| self.caught_within(x, &self.hot_at(x, hottest, left)) >= MEDIAN_SHARE * total;
+        let x = if enough(self.floor) {
+            self.floor
+        } else {
+            let (mut lo, mut hi) = (self.floor, target.max(self.floor));
+            for _ in 0..50 {
+                let mid = (lo + hi) / 2.0;
+                if enough(mid) {
+                    hi = mid;
+                } else {
+                    lo = mid;
+                }
+            }
+            hi
+        };
+        self.hot_at(x, hottest, left)
+    }
+
+    /// The bang-bang schedule for a hot period `x`: streams that change, in
+    /// `hottest` order, brought from their base period down to `x` while
+    /// `left` (requests a second above the base) pays for them; the first it
+    /// cannot pay for in full gets what is left (a period between).
+    fn hot_at(&self, x: f64, hottest: &[usize], mut left: f64) -> Vec<f64> {
+        let mut periods = self.base.to_vec();
+        for &i in hottest {
+            if self.demands[i].rate <= 0.0 || self.base[i] <= x {
+                continue;
+            }
+            let cost = self.costs[i];
+            let extra = cost * (1.0 / x - 1.0 / self.base[i]);
+            if extra <= left {
+                periods[i] = x;
+                left -= extra;
+            } else {
+                periods[i] = cost / (cost / self.base[i] + left);
+                break;
+            }
+        }
+        periods
+    }
+
+    /// The square-root law (Cho and Garcia-Molina 2003), the lowest mean
+    /// latency: `T = sqrt(θ cost / rate)` between the floor and each stream's
+    /// base, `θ` found so that the schedule spends the budget.
+    fn square_root_law(&self) -> Vec<f64> {
+        let periods_at = |theta: f64| -> Vec<f64> {
+            self.demands
+                .iter()
+                .zip(self.costs)
+                .zip(self.base)
+                .map(|((d, cost), base)| {
+                    if d.rate <= 0.0 {
+                        *base
+                    } else {
+                        (theta * cost / d.rate)
+                            .sqrt()
+                            .clamp(self.floor.min(*base), *base)
+                    }
+                })
+                .collect()
+        };
+        let (mut lo, mut hi) = (1e-12f64, 1e12f64);
+        for _ in 0..100 {
+            let mid = (lo * hi).sqrt();
+            if self.spend(&periods_at(mid)) > self.budget {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        periods_at(hi)
+    }
+}
+
+/// Share of the changes the median rule plans to reach downstream within
+/// the hot streams' period (see [`target_periods`]).
+pub const MEDIAN_SHARE: f64 = 0.5;
 
 #[cfg(test)]
 mod tests {
@@ -496,6 +608,137 @@ mod tests {
             .sum();
         assert!(excess <= TAIL_EXCESS + 1e-12, "excess {excess}");
         assert!(targets.tail.iter().filter(|t| **t).count() >= 80);
+    }
+
+    /// The latency below which `share` of the changes reach a poll, for
+    /// changes waiting `U(0, period)` (bisection, independent of the rule).
+    fn quantile(periods: &[f64], demands: &[Demand], share: f64) -> f64 {
+        let total: f64 = demands.iter().map(|d| d.rate).sum();
+        let within = |x: f64| -> f64 {
+            periods
+                .iter()
+                .zip(demands)
+                .map(|(t, d)| d.rate * (x / t).min(1.0))
+                .sum::<f64>()
+                / total
+        };
+        let (mut lo, mut hi) = (0.0, 1e4);
+        for _ in 0..80 {
+            let mid = (lo + hi) / 2.0;
+            if within(mid) >= share {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+        }
+        hi
+    }
+
+    fn secs_of(targets: &Targets) -> Vec<f64> {
+        targets.periods.iter().map(Duration::as_secs_f64).collect()
+    }
+
+    /// The square-root law over the same streams, tail and tail target: the
+    /// rule an earlier release spent the budget above the tail target by.
+    fn square_root_law(demands: &[Demand], targets: &Targets, budget: f64) -> Vec<f64> {
+        let target = targets.tail_target.unwrap().as_secs_f64();
+        let periods_at = |theta: f64| -> Vec<f64> {
+            demands
+                .iter()
+                .zip(&targets.tail)
+                .map(|(d, tail)| {
+                    if *tail {
+                        300.0
+                    } else if d.rate <= 0.0 {
+                        target
+                    } else {
+                        (theta / d.rate).sqrt().clamp(30.0, target)
+                    }
+                })
+                .collect()
+        };
+        let (mut lo, mut hi) = (1e-12f64, 1e12f64);
+        for _ in 0..100 {
+            let mid = (lo * hi).sqrt();
+            if periods_at(mid).iter().map(|t| 1.0 / t).sum::<f64>() > budget {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        periods_at(hi)
+    }
+
+    #[test]
+    fn the_median_rule_polls_the_hottest_streams_at_one_period_and_catches_half_the_changes_within_it(
+    ) {
+        let budget = 113.0 / 60.0;
+        let demands = skewed();
+        let targets = target_periods(&demands, Some(budget), limits(0.95));
+        let periods = secs_of(&targets);
+        let tail_target = targets.tail_target.unwrap().as_secs_f64();
+        let hot = periods.iter().copied().fold(f64::INFINITY, f64::min);
+        assert!(hot > 30.0 && hot < tail_target / 2.0, "hot period {hot}");
+        // Half the changes are polled within the hot period, not much more.
+        let median = quantile(&periods, &demands, MEDIAN_SHARE);
+        assert!((median - hot).abs() < 0.05, "median {median} vs {hot}");
+        // Bang-bang: every stream is at the hot period, at its base (the
+        // tail target or the cap) or is the one stream between; the hot ones
+        // are the hottest.
+        let between: Vec<usize> = (0..400)
+            .filter(|&i| {
+                let t = periods[i];
+                (t - hot).abs() > 1e-6 && (t - tail_target).abs() > 1e-6 && (t - 300.0).abs() > 1e-6
+            })
+            .collect();
+        assert!(between.len() <= 1, "{between:?}");
+        let coldest_hot = (0..400)
+            .filter(|&i| (periods[i] - hot).abs() < 1e-6)
+            .map(|i| demands[i].rate)
+            .fold(f64::INFINITY, f64::min);
+        let hottest_rest = (0..400)
+            .filter(|&i| (periods[i] - hot).abs() > 1e-6)
+            .map(|i| demands[i].rate)
+            .fold(0.0, f64::max);
+        assert!(
+            coldest_hot >= hottest_rest,
+            "{coldest_hot} < {hottest_rest}"
+        );
+        assert!(spent(&targets) <= budget * SPEND_SHARE * 1.0001);
+    }
+
+    #[test]
+    fn the_median_rule_gives_a_lower_median_than_the_square_root_law_on_the_same_budget_and_tail() {
+        let budget = 113.0 / 60.0;
+        let demands = skewed();
+        let targets = target_periods(&demands, Some(budget), limits(0.95));
+        let rule = secs_of(&targets);
+        let law = square_root_law(&demands, &targets, budget * SPEND_SHARE);
+        let spend = |p: &[f64]| p.iter().map(|t| 1.0 / t).sum::<f64>();
+        assert!(
+            spend(&rule) <= spend(&law) * 1.001,
+            "{} vs {}",
+            spend(&rule),
+            spend(&law)
+        );
+        let (rule_p50, law_p50) = (
+            quantile(&rule, &demands, 0.5),
+            quantile(&law, &demands, 0.5),
+        );
+        assert!(
+            rule_p50 < law_p50 * 0.95,
+            "median {rule_p50} vs the law's {law_p50}"
+        );
+        // The tail is the tail target's either way.
+        let (rule_p99, law_p99) = (
+            quantile(&rule, &demands, 0.99),
+            quantile(&law, &demands, 0.99),
+        );
+        assert!(
+            rule_p99 <= targets.tail_target.unwrap().as_secs_f64(),
+            "{rule_p99}"
+        );
+        assert!((rule_p99 - law_p99).abs() < 5.0, "{rule_p99} vs {law_p99}");
     }
 
     #[test]
