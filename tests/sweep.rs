@@ -1272,3 +1272,27 @@ async fn a_fatal_sink_error_in_a_later_publish_run_of_a_page_commits_nothing_of_
     assert!(h.store.pending_intents(stream).unwrap().is_empty());
     assert!(h.sweep(1, V, SweepKind::Full).await.is_empty());
 }
+
+#[tokio::test]
+async fn a_first_syncs_change_history_is_measured_on_the_upstreams_clock_not_the_bridges() {
+    let h = spawn_harness(1, 10, 0).await;
+    let stream = StreamKey::new(1, V);
+    // The upstream's clock is three days behind the bridge's: by the
+    // bridge's clock every record changed long before the history window.
+    let upstream_now = Utc::now() - chrono::Duration::days(3);
+    h.sim.set_clock(Some(upstream_now));
+    let ids = h.sim.record_ids(1, V);
+    for id in &ids[..4] {
+        h.sim.update(1, V, *id);
+    }
+    let report = h
+        .sweeper(stream)
+        .run(SweepKind::Incremental, &CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(report.history.records, 10);
+    // Four records changed just now on the upstream's clock.
+    assert_eq!(report.history.recent, 4, "{:?}", report.history);
+    let evidence = report.history.evidence().unwrap();
+    assert_eq!(evidence.changes, 4.0);
+}

@@ -452,7 +452,7 @@ impl SweepRun<'_> {
             self.report.pages += 1;
             self.report.records_seen += page.records.len() as u64;
             self.count_page(&page);
-            self.process_page(&page.records).await?;
+            self.process_page(&page.records, page.server_time).await?;
             if let Some(progress) = &sweeper.progress {
                 progress(stream, self.report.records_seen, self.report.pages);
             }
@@ -543,8 +543,15 @@ impl SweepRun<'_> {
         Ok(known)
     }
 
-    /// Diffs one page, publishes its changes, and commits them once acknowledged.
-    async fn process_page(&mut self, records: &[Record]) -> Result<(), SweepError> {
+    /// Diffs one page, publishes its changes, and commits them once
+    /// acknowledged. `listed_at` is the upstream's clock when it listed them
+    /// (its `server_time`): the record dates a first sync learns from are the
+    /// upstream's, so their ages are measured on its clock, not the bridge's.
+    async fn process_page(
+        &mut self,
+        records: &[Record],
+        listed_at: DateTime<Utc>,
+    ) -> Result<(), SweepError> {
         if records.is_empty() {
             return Ok(());
         }
@@ -555,7 +562,7 @@ impl SweepRun<'_> {
         let epoch = self.plan.epoch;
         let announced = page.announced(self.plan.announced_after);
         if self.plan.mode == SweepMode::FirstSync {
-            self.report.history.merge(page.history(Utc::now()));
+            self.report.history.merge(page.history(listed_at));
         }
         let seen = if self.plan.full {
             page.unchanged
@@ -701,7 +708,8 @@ impl SweepRun<'_> {
                 info!(tenant = stream.tenant, resource = %stream.resource,
                     records = found.len(),
                     "records missing from the full listing still exist upstream; not deleted");
-                self.process_page(&found).await?;
+                // No listing's clock: the GETs were answered just now.
+                self.process_page(&found, Utc::now()).await?;
             }
             if gone.is_empty() {
                 continue;
