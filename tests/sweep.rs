@@ -1295,4 +1295,12 @@ async fn a_first_syncs_change_history_is_measured_on_the_upstreams_clock_not_the
     assert_eq!(report.history.recent, 4, "{:?}", report.history);
     let evidence = report.history.evidence().unwrap();
     assert_eq!(evidence.changes, 4.0);
+    // The six untouched records are older than the window: 6 x 6 h of
+    // exposure over 10 records, the four fresh ones add about nothing.
+    let expected = 6.0 * 6.0 * 3600.0 / 10.0;
+    assert!(
+        (evidence.seconds - expected).abs() < 60.0,
+        "{} s of exposure, expected {expected}",
+        evidence.seconds
+    );
 }

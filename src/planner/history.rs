@@ -52,7 +52,7 @@ impl ChangeHistory {
             return;
         };
         let window = HISTORY_WINDOW.as_micros() as i64;
-        // A timestamp ahead of our clock (skew) is a change just now.
+        // A timestamp ahead of the listing's server_time is a change just now.
         let age = listed_at_micros.saturating_sub(updated_at).clamp(0, window);
         if age < window {
             self.recent += 1;

@@ -40,6 +40,9 @@ pub const TAIL_EXCESS: f64 = 0.003;
 /// Share of the budget's pace a schedule plans to spend (see [`target_periods`]).
 pub const SPEND_SHARE: f64 = 0.97;
 
+/// Share of the estimated changes the median rule polls within the hot period.
+pub const MEDIAN_SHARE: f64 = 0.5;
+
 /// The grid of tenant rates (changes a second) the population's law lives
 /// on: zero (a tenant that never changes) and a geometric ladder from one
 /// change in 11.6 days to one a second.
@@ -251,7 +254,7 @@ pub struct Demand {
 pub struct Targets {
     /// Each stream's target poll period, in the order given.
     pub periods: Vec<Duration>,
-    /// The stream is in the cold tail, held only to the cap.
+    /// The stream is in the cold tail: its period is above the tail target.
     pub tail: Vec<bool>,
     /// The bound every other stream is held to (None: the budget covers the floor).
     pub tail_target: Option<Duration>,
@@ -272,6 +275,19 @@ pub struct Limits {
 /// unlimited). With a budget that covers every stream at the floor, every
 /// period is the floor (the uniform schedule).
 pub fn target_periods(demands: &[Demand], budget: Option<f64>, limits: Limits) -> Targets {
+    // A rate that is not a finite positive number is taken as no change.
+    let clean: Vec<Demand> = demands
+        .iter()
+        .map(|d| Demand {
+            rate: if d.rate.is_finite() && d.rate > 0.0 {
+                d.rate
+            } else {
+                0.0
+            },
+            ..*d
+        })
+        .collect();
+    let demands = &clean[..];
     let floor = limits.floor.as_secs_f64().max(1e-3);
     let cap = limits.cap.as_secs_f64().max(floor);
     let n = demands.len();
@@ -365,9 +381,10 @@ pub fn target_periods(demands: &[Demand], budget: Option<f64>, limits: Limits) -
     } else {
         spread.square_root_law()
     };
-    // A cold stream the budget had room for is no longer held to the cap.
+    // A cold stream the budget had room for is in the tail only while its
+    // period is still above the tail target.
     for (quiet, period) in tail.iter_mut().zip(&periods) {
-        *quiet = *quiet && *period >= cap;
+        *quiet = *quiet && *period > target;
     }
     Targets {
         periods: periods.into_iter().map(Duration::from_secs_f64).collect(),
@@ -491,10 +508,6 @@ impl Spread<'_> {
         periods_at(hi)
     }
 }
-
-/// Share of the changes the median rule plans to reach downstream within
-/// the hot streams' period (see [`target_periods`]).
-pub const MEDIAN_SHARE: f64 = 0.5;
 
 #[cfg(test)]
 mod tests {
@@ -755,6 +768,136 @@ mod tests {
             (got - expected).abs() / expected < 0.01,
             "{got} vs {expected}"
         );
+    }
+
+    /// Requests a second the targets spend, poll costs included.
+    fn spent_with_costs(targets: &Targets, demands: &[Demand]) -> f64 {
+        targets
+            .periods
+            .iter()
+            .zip(demands)
+            .map(|(t, d)| d.cost / t.as_secs_f64())
+            .sum()
+    }
+
+    #[test]
+    fn the_cold_tail_flag_marks_exactly_the_streams_the_spread_leaves_above_the_tail_target() {
+        let demands: Vec<Demand> = (0..100u64)
+            .map(|i| demand(((i + 1) as f64).powf(-1.1), i))
+            .collect();
+        // 98% of what polls every stream at the floor.
+        let budget = 0.98 * 100.0 / 30.0;
+        let targets = target_periods(&demands, Some(budget), limits(0.95));
+        let tail_target = targets.tail_target.unwrap();
+        assert!(spent(&targets) <= budget * SPEND_SHARE * 1.0001);
+        assert!(targets.periods[0] <= tail_target);
+        for (i, (t, quiet)) in targets.periods.iter().zip(&targets.tail).enumerate() {
+            assert!(*t >= Duration::from_secs(30) && *t <= Duration::from_secs(300));
+            assert_eq!(*quiet, *t > tail_target, "stream {i} at {t:?}");
+        }
+        // One stream with most of the changes and a loose tail target: half
+        // the changes are polled within the floor, and the budget left brings
+        // the next hottest streams to the floor too.
+        let demands: Vec<Demand> = (0..100u64)
+            .map(|i| demand(if i == 0 { 1.0 } else { 0.01 }, i))
+            .collect();
+        let targets = target_periods(&demands, Some(0.5), limits(1.5));
+        assert!(spent(&targets) <= 0.5 * SPEND_SHARE * 1.0001);
+        let periods = secs_of(&targets);
+        assert_eq!(periods[0], 30.0);
+        assert!(quantile(&periods, &demands, MEDIAN_SHARE) <= 30.0 + 1e-6);
+        let at_floor = periods.iter().filter(|t| **t <= 30.0 + 1e-9).count();
+        assert!(at_floor > 3, "{at_floor} streams at the floor");
+        for (t, quiet) in targets.periods.iter().zip(&targets.tail) {
+            assert_eq!(*quiet, *t > targets.tail_target.unwrap());
+        }
+        // One hot stream and nine nearly idle ones in the cold tail: the
+        // budget left brings cold streams down from the cap, seven to the
+        // floor and one part of the way; only those still above the tail
+        // target are flagged.
+        let demands: Vec<Demand> = (0..10u64)
+            .map(|i| demand(if i == 0 { 1.0 } else { 1e-4 }, i))
+            .collect();
+        let targets = target_periods(&demands, Some(0.3), limits(0.95));
+        let tail_target = targets.tail_target.unwrap();
+        let floor = Duration::from_secs(30);
+        assert_eq!(targets.periods.iter().filter(|t| **t == floor).count(), 8);
+        let between: Vec<&Duration> = targets
+            .periods
+            .iter()
+            .filter(|t| **t > tail_target && **t < Duration::from_secs(300))
+            .collect();
+        assert_eq!(between.len(), 1, "{:?}", targets.periods);
+        for (t, quiet) in targets.periods.iter().zip(&targets.tail) {
+            assert_eq!(*quiet, *t > tail_target, "{t:?}");
+        }
+        assert_eq!(targets.tail.iter().filter(|q| **q).count(), 2);
+    }
+
+    #[test]
+    fn the_median_rule_ranks_streams_by_rate_per_request_and_pays_each_polls_cost() {
+        // Pairs of equal rate; the hottest pair's second stream costs three
+        // requests a poll (a stream of three pages).
+        let demands: Vec<Demand> = (0..200u64)
+            .map(|i| Demand {
+                rate: 0.5 * ((i / 2 + 1) as f64).powf(-1.1) / 4.0,
+                cost: if i == 1 { 3.0 } else { 1.0 },
+                tie: i,
+            })
+            .collect();
+        let budget = 0.8;
+        let targets = target_periods(&demands, Some(budget), limits(1.5));
+        let spent = spent_with_costs(&targets, &demands);
+        assert!(spent <= budget * SPEND_SHARE * 1.0001, "spent {spent}");
+        assert!(spent >= budget * SPEND_SHARE * 0.99, "spent {spent}");
+        let periods = secs_of(&targets);
+        let hot = periods.iter().copied().fold(f64::INFINITY, f64::min);
+        assert!(hot > 30.0, "hot period {hot}");
+        let median = quantile(&periods, &demands, MEDIAN_SHARE);
+        assert!((median - hot).abs() < 0.05, "median {median} vs {hot}");
+        // Every stream at the hot period has at least the rate per request of
+        // every stream above it (the dear twin, 0.042 a request, ranks after
+        // the second pair's 0.058 and before the third's 0.038).
+        let per_request = |i: usize| demands[i].rate / demands[i].cost;
+        let at_hot: Vec<usize> = (0..200).filter(|&i| periods[i] - hot < 1e-6).collect();
+        let above: Vec<usize> = (0..200).filter(|&i| periods[i] - hot >= 1e-6).collect();
+        for &i in &at_hot {
+            for &j in &above {
+                assert!(
+                    per_request(i) >= per_request(j),
+                    "{i} at {hot}, {j} at {}",
+                    periods[j]
+                );
+            }
+        }
+        assert!(
+            at_hot.contains(&1) && at_hot.contains(&2) && at_hot.contains(&3),
+            "{at_hot:?}"
+        );
+    }
+
+    #[test]
+    fn streams_without_a_usable_rate_stay_within_the_bounds_and_the_budget() {
+        for rate in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let demands: Vec<Demand> = (0..50u64).map(|i| demand(rate, i)).collect();
+            let targets = target_periods(&demands, Some(0.5), limits(0.95));
+            assert!(spent(&targets) <= 0.5 * SPEND_SHARE * 1.0001, "rate {rate}");
+            assert!(
+                targets
+                    .periods
+                    .iter()
+                    .all(|t| *t >= Duration::from_secs(30) && *t <= Duration::from_secs(300)),
+                "rate {rate}: {:?}",
+                targets.periods
+            );
+        }
+        // One usable rate among unusable ones is the one polled fastest.
+        let mut demands: Vec<Demand> = (0..50u64).map(|i| demand(f64::NAN, i)).collect();
+        demands[7].rate = 0.01;
+        let targets = target_periods(&demands, Some(0.5), limits(0.95));
+        let fastest = targets.periods.iter().min().unwrap();
+        assert_eq!(targets.periods[7], *fastest);
+        assert!(targets.periods.iter().filter(|t| *t == fastest).count() == 1);
     }
 
     #[test]

@@ -446,9 +446,11 @@ impl SweepRun<'_> {
                 .list_pages_bounded(stream.tenant, stream.resource, query, max_pages);
         futures::pin_mut!(pages);
         let mut first_server_time = None;
+        let mut last_server_time = None;
         while let Some(page) = pages.next().await {
             let page = page?;
             first_server_time.get_or_insert(page.server_time);
+            last_server_time = Some(page.server_time);
             self.report.pages += 1;
             self.report.records_seen += page.records.len() as u64;
             self.count_page(&page);
@@ -462,7 +464,9 @@ impl SweepRun<'_> {
         }
 
         if plan.full {
-            self.delete_unseen(known_before).await?;
+            // The GETs that confirm deletes carry no clock: the last listing's stands in.
+            let listed_at = last_server_time.unwrap_or_else(Utc::now);
+            self.delete_unseen(known_before, listed_at).await?;
         }
 
         if plan.replay_id.is_some() {
@@ -647,8 +651,13 @@ impl SweepRun<'_> {
 
     /// After a complete full listing: emits `*.deleted` for every record (and
     /// every possibly-published intent) the listing did not contain, each
-    /// confirmed gone by the single-record GET first.
-    async fn delete_unseen(&mut self, known_before: u64) -> Result<(), SweepError> {
+    /// confirmed gone by the single-record GET first. `listed_at` is the
+    /// listing's `server_time`, the clock of the records a GET still finds.
+    async fn delete_unseen(
+        &mut self,
+        known_before: u64,
+        listed_at: DateTime<Utc>,
+    ) -> Result<(), SweepError> {
         let sweeper = self.sweeper;
         let plan = self.plan;
         let stream = sweeper.stream;
@@ -708,8 +717,7 @@ impl SweepRun<'_> {
                 info!(tenant = stream.tenant, resource = %stream.resource,
                     records = found.len(),
                     "records missing from the full listing still exist upstream; not deleted");
-                // No listing's clock: the GETs were answered just now.
-                self.process_page(&found, Utc::now()).await?;
+                self.process_page(&found, listed_at).await?;
             }
             if gone.is_empty() {
                 continue;
