@@ -1416,10 +1416,23 @@ mod tests {
 
     #[test]
     fn ready_streams_are_polled_earliest_deadline_first() {
-        let (mut core, _, at) = skewed_core();
+        let (mut core, keys, at) = skewed_core();
         core.plan(at);
-        let hot = key(1);
-        let cold = key(12);
+        // The hottest stream planned above its floor (the hottest may be at
+        // the floor, where it is not ready before its deadline anyway).
+        let floor = core.settings.interval;
+        let hot = keys
+            .iter()
+            .copied()
+            .filter(|k| core.poll_bound(*k) > floor + Duration::from_millis(500))
+            .min_by_key(|k| core.poll_bound(*k))
+            .unwrap();
+        let cold = keys
+            .iter()
+            .copied()
+            .filter(|k| core.poll_bound(*k) < core.settings.max_interval)
+            .max_by_key(|k| core.poll_bound(*k))
+            .unwrap();
         // Both last polled at `at`; the hot one's deadline comes first.
         assert!(core.poll_bound(hot) < core.poll_bound(cold));
         poll_round(&mut core, &[hot, cold], at, |_| 0);
@@ -1435,7 +1448,7 @@ mod tests {
         );
         let mut core2 = core.clone();
         core2.settings.poll_lanes = 1;
-        let soon = at + core.poll_bound(hot) - secs(1);
+        let soon = at + core.poll_bound(hot) - Duration::from_millis(200);
         assert_eq!(
             core2.grant(soon, false),
             vec![(hot, Grant::Poll)],
