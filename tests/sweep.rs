@@ -114,6 +114,17 @@ fn json(e: &voucher_cdc::event::Event) -> Value {
 }
 
 /// True when the event is about record `id` (`subject` is the id as a string).
+/// Refuses every event of record `id`, as a fatal error (a poison record).
+fn reject_record_fatally(id: i64) -> FaultMode {
+    let suffix = format!(":{id}");
+    FaultMode::Reject {
+        target: voucher_cdc::sinks::testing::RejectTarget::Matching(Arc::new(move |e| {
+            e.partition_key.ends_with(&suffix)
+        })),
+        error: voucher_cdc::sinks::SinkError::Fatal("rejected".into()),
+    }
+}
+
 fn subject_is(event: &Value, id: i64) -> bool {
     event["subject"].as_str() == Some(id.to_string().as_str())
 }
@@ -1012,13 +1023,7 @@ async fn a_revert_after_an_unacknowledged_page_is_published_against_the_version_
     h.sim.update(1, V, reverting);
     h.sim.update(1, V, poison);
     // The poison event is rejected: the page's other events were acked, nothing commits.
-    let poison_subject = poison.to_string();
-    h.sink.set_mode(FaultMode::Reject {
-        target: voucher_cdc::sinks::testing::RejectTarget::Matching(Arc::new(move |e| {
-            e.partition_key.ends_with(&format!(":{poison_subject}"))
-        })),
-        error: voucher_cdc::sinks::SinkError::Fatal("rejected".into()),
-    });
+    h.sink.set_mode(reject_record_fatally(poison));
     h.sink.take();
     assert!(h
         .sweeper(stream)
@@ -1232,13 +1237,7 @@ async fn a_fatal_sink_error_in_a_later_publish_run_of_a_page_commits_nothing_of_
         h.sim.update(1, V, *id);
     }
     // The page's last record is rejected: every run before its run was acked.
-    let poison = ids[ids.len() - 1].to_string();
-    h.sink.set_mode(FaultMode::Reject {
-        target: voucher_cdc::sinks::testing::RejectTarget::Matching(Arc::new(move |e| {
-            e.partition_key.ends_with(&format!(":{poison}"))
-        })),
-        error: voucher_cdc::sinks::SinkError::Fatal("rejected".into()),
-    });
+    h.sink.set_mode(reject_record_fatally(ids[ids.len() - 1]));
     h.sink.take();
     let calls = h.sink.publish_calls();
     assert!(h

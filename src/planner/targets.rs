@@ -311,7 +311,7 @@ pub fn target_periods(demands: &[Demand], budget: Option<f64>, limits: Limits) -
     // What the schedule may spend: a little under the pace, so the polls
     // the budget delays now and then do not push every deadline later.
     let budget = budget * SPEND_SHARE;
-    let total_rate: f64 = demands.iter().map(|d| d.rate.max(0.0)).sum();
+    let total_rate: f64 = demands.iter().map(|d| d.rate).sum();
     // Coldest first (rate per request), ties by the hash.
     let mut order: Vec<usize> = (0..n).collect();
     order.sort_by(|&a, &b| {
@@ -333,7 +333,7 @@ pub fn target_periods(demands: &[Demand], budget: Option<f64>, limits: Limits) -
         let mut excess = 0.0;
         for &i in &order {
             let share = if total_rate > 0.0 {
-                demands[i].rate.max(0.0) / total_rate
+                demands[i].rate / total_rate
             } else {
                 0.0
             };
@@ -377,10 +377,16 @@ pub fn target_periods(demands: &[Demand], budget: Option<f64>, limits: Limits) -
         base: &base,
         floor,
         budget,
+        total_rate,
     };
     let periods = if limits.tail_share > 0.0 {
-        // Hottest first (rate per request), ties by the hash.
-        let hottest: Vec<usize> = order.iter().rev().copied().collect();
+        // Streams that change, hottest first (rate per request), ties by the hash.
+        let hottest: Vec<usize> = order
+            .iter()
+            .rev()
+            .copied()
+            .filter(|&i| demands[i].rate > 0.0)
+            .collect();
         spread.median_rule(&hottest, target)
     } else {
         spread.square_root_law()
@@ -408,6 +414,8 @@ struct Spread<'a> {
     floor: f64,
     /// Requests a second the schedule may spend.
     budget: f64,
+    /// The streams' estimated changes a second, all together.
+    total_rate: f64,
 }
 
 impl Spread<'_> {
@@ -422,7 +430,7 @@ impl Spread<'_> {
         periods
             .iter()
             .zip(self.demands)
-            .map(|(period, d)| d.rate.max(0.0) * (x / period).min(1.0))
+            .map(|(period, d)| d.rate * (x / period).min(1.0))
             .sum()
     }
 
@@ -433,7 +441,7 @@ impl Spread<'_> {
     /// buys `rate x` per request-rate, linear in its poll rate: the optimum is
     /// bang-bang, hottest first, the rest left at their base.
     fn median_rule(&self, hottest: &[usize], target: f64) -> Vec<f64> {
-        let total: f64 = self.demands.iter().map(|d| d.rate.max(0.0)).sum();
+        let total = self.total_rate;
         let left = self.budget - self.spend(self.base);
         if total <= 0.0 || left <= 0.0 {
             return self.base.to_vec();
@@ -457,14 +465,14 @@ impl Spread<'_> {
         self.hot_at(x, hottest, left)
     }
 
-    /// The bang-bang schedule for a hot period `x`: streams that change, in
-    /// `hottest` order, brought from their base period down to `x` while
-    /// `left` (requests a second above the base) pays for them; the first it
-    /// cannot pay for in full gets what is left (a period between).
+    /// The bang-bang schedule for a hot period `x`: the streams of `hottest`,
+    /// in that order, brought from their base period down to `x` while `left`
+    /// (requests a second above the base) pays for them; the first it cannot
+    /// pay for in full gets what is left (a period between).
     fn hot_at(&self, x: f64, hottest: &[usize], mut left: f64) -> Vec<f64> {
         let mut periods = self.base.to_vec();
         for &i in hottest {
-            if self.demands[i].rate <= 0.0 || self.base[i] <= x {
+            if self.base[i] <= x {
                 continue;
             }
             let cost = self.costs[i];
