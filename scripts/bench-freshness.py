@@ -124,6 +124,17 @@ class Run:
             except (ValueError, KeyError, TypeError):
                 self.bad_lines += 1
 
+    def save_status(self, name):
+        """Keeps /v1/status as RUN/<strategy>/<name>.json (the planner's view, for --keep)."""
+        try:
+            with urllib.request.urlopen(f"http://{self.admin}/v1/status", timeout=5) as response:
+                body = response.read()
+        except OSError as error:
+            print(f"[{self.strategy}] status not saved: {error}", file=sys.stderr, flush=True)
+            return
+        with open(os.path.join(self.dir, f"{name}.json"), "wb") as handle:
+            handle.write(body)
+
     def check_sync(self, now):
         """Asks /v1/status whether every stream finished a full sweep."""
         try:
@@ -195,6 +206,8 @@ def analyse(run, window_start, window_end, drain_end):
     poll_waits, service = [], []
     by_tier = {name: [] for name, _ in TIERS}
     no_event_kinds = {"silent_update": [0, 0], "touch": [0, 0], "delete": [0, 0]}
+    # The slowest changes, with the poll gap they fell in: what decides the p99.
+    slowest = []
     for at, tenant, resource, record, change in run.changes:
         if not window_start <= at <= window_end:
             continue
@@ -207,16 +220,21 @@ def analyse(run, window_start, window_end, drain_end):
             ),
             None,
         )
+        wait = gap = None
         if change in CONTENT_CHANGES and arrival is not None:
             times = polls.get((tenant, resource), [])
             first = bisect.bisect_left(times, at)
             if first < len(times) and times[first] <= arrival:
-                poll_waits.append(times[first] - at)
+                wait = times[first] - at
+                poll_waits.append(wait)
                 service.append(arrival - times[first])
+                if first > 0:
+                    gap = times[first] - times[first - 1]
         if change in CONTENT_CHANGES:
             latency = math.inf if arrival is None else arrival - at
             latencies.append(latency)
             by_tier[tier(tenant)].append(latency)
+            slowest.append((latency, tenant, resource, wait, gap))
         elif change in no_event_kinds:
             no_event_kinds[change][0] += 1
             if arrival is not None:
@@ -227,6 +245,9 @@ def analyse(run, window_start, window_end, drain_end):
     for name, fraction in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0)):
         result[name] = percentile(latencies, fraction)
     result["no_event"] = no_event_kinds
+    slowest.sort(key=lambda s: s[0], reverse=True)
+    result["p99_rank_from_top"] = len(latencies) - max(1, math.ceil(0.99 * len(latencies))) + 1
+    result["slowest"] = slowest[: result["p99_rank_from_top"] + 5]
     poll_waits.sort()
     service.sort()
     result["poll_wait"] = [percentile(poll_waits, f) for f in (0.5, 0.99)]
@@ -335,10 +356,15 @@ def main():
     next_status = 0.0
     first_start = min(r.started for r in runs)
     last_progress = 0.0
+    snapshots = []  # (when, name): the planner's view at the window's start, middle and end
     while True:
         now = time.time()
         for run in runs:
             run.read(now, window_start)
+        while snapshots and now >= snapshots[0][0]:
+            _, name = snapshots.pop(0)
+            for run in runs:
+                run.save_status(name)
         if window_start is None:
             if now >= next_status:
                 next_status = now + STATUS_EVERY
@@ -359,6 +385,11 @@ def main():
                 window_start = now + args.warmup
                 window_end = window_start + args.minutes * 60.0
                 drain_end = window_end + args.drain
+                snapshots = [
+                    (window_start, "status-window-start"),
+                    ((window_start + window_end) / 2.0, "status-window-middle"),
+                    (window_end, "status-window-end"),
+                ]
                 print(
                     f"warming up for {args.warmup:.0f} s, measuring for {args.minutes:g} min,"
                     f" then {args.drain:.0f} s of drain",
@@ -411,6 +442,14 @@ def main():
             f" wait for that poll p50 {seconds(wait[0])}, p99 {seconds(wait[1])};"
             f" service delay after it (response, sink, this reader) p50 {seconds(delay[0])},"
             f" p99 {seconds(delay[1])}, max {seconds(delay[2])}"
+        )
+        slow = ", ".join(
+            f"{tenant}/{resource} {seconds(latency)}"
+            + (f" (poll gap {gap:.0f} s)" if gap is not None else "")
+            for latency, tenant, resource, _wait, gap in r["slowest"]
+        )
+        print(
+            f"  - {r['strategy']}, slowest changes (the p99 is number {r['p99_rank_from_top']}): {slow}"
         )
 
 
