@@ -20,7 +20,8 @@
 //!
 //! The target periods ([`targets`]) hold every stream to a tail target
 //! (`poll.tail_guard` x the round a uniform schedule would take), the coldest
-//! streams, whose changes are too few to move the p99, only to the cap; the
+//! streams, whose changes are too few to move the p99, only to just under
+//! the cap (so deadlines, not the cap's priority, order them); the
 //! budget left polls the hottest streams at one hot period, the least that
 //! catches half the changes within it (the median rule). Rates are learnt
 //! from the changes the upstream announced since each stream's previous
@@ -1172,19 +1173,32 @@ mod tests {
         run_for: Duration,
         changes: impl Fn(StreamKey, Duration, Duration) -> u64 + Send + Sync + 'static,
     ) -> BTreeMap<StreamKey, Vec<Duration>> {
+        let streams = streams.into_iter().map(|k| (k, Duration::ZERO)).collect();
+        simulate_from(settings, budget, streams, poll_time, run_for, changes).await
+    }
+
+    /// [`simulate`] with each stream's first ask after its own delay.
+    async fn simulate_from(
+        settings: PlannerSettings,
+        budget: RateBudget,
+        streams: Vec<(StreamKey, Duration)>,
+        poll_time: Duration,
+        run_for: Duration,
+        changes: impl Fn(StreamKey, Duration, Duration) -> u64 + Send + Sync + 'static,
+    ) -> BTreeMap<StreamKey, Vec<Duration>> {
         let budget = Arc::new(budget);
         let planner = Planner::new(settings, budget.clone(), "t".into());
         let start = Instant::now();
         let changes = Arc::new(changes);
         let polls = Arc::new(StdMutex::new(BTreeMap::<StreamKey, Vec<Duration>>::new()));
         let mut tasks = Vec::new();
-        for key in streams {
+        for (key, delay) in streams {
             let planner = planner.clone();
             let polls = polls.clone();
             let changes = changes.clone();
             let budget = budget.clone();
             tasks.push(tokio::spawn(async move {
-                let mut ready_at = start;
+                let mut ready_at = start + delay;
                 let mut last = start;
                 loop {
                     let grant = planner
@@ -1376,7 +1390,7 @@ mod tests {
     }
 
     #[test]
-    fn the_plan_polls_hot_streams_fastest_holds_the_rest_to_the_tail_target_and_the_idle_to_the_cap(
+    fn the_plan_polls_hot_streams_fastest_holds_the_rest_to_the_tail_target_and_the_idle_just_under_the_cap(
     ) {
         let (mut core, keys, at) = skewed_core();
         core.plan(at);
@@ -1398,7 +1412,11 @@ mod tests {
                 core.is_quiet(StreamKey::new(t, Resource::Categories)),
                 "categories never change"
             );
-            assert_eq!(bound(t, Resource::Categories), secs(120));
+            assert_eq!(
+                bound(t, Resource::Categories),
+                secs(120).mul_f64(targets::TAIL_CAP_SHARE),
+                "planned under the cap, so deadlines order them among the rest"
+            );
         }
         assert!(!core.is_quiet(key(1)) && !core.is_quiet(key(10)));
         for t in 1..=10 {
@@ -1471,11 +1489,14 @@ mod tests {
     }
 
     #[test]
-    fn a_tail_guard_of_zero_leaves_the_square_root_law_up_to_the_cap() {
+    fn a_tail_guard_of_zero_leaves_the_square_root_law_up_to_just_under_the_cap() {
         let (mut core, _, at) = skewed_core();
         core.settings.tail_guard = 0.0;
         core.plan(at);
-        assert_eq!(core.tail_target(), Some(secs(120)));
+        assert_eq!(
+            core.tail_target(),
+            Some(secs(120).mul_f64(targets::TAIL_CAP_SHARE))
+        );
         assert!(
             core.streams().all(|(k, _)| !core.is_quiet(k)),
             "no cold tail"
@@ -1566,19 +1587,43 @@ mod tests {
         assert_eq!(core.poll_bound(key(1)), core.poll_bound(key(20)));
     }
 
+    /// A contended token's planner: a 5 s floor, a 120 s cap.
+    fn contended() -> PlannerSettings {
+        PlannerSettings {
+            interval: secs(5),
+            max_interval: secs(120),
+            poll_lanes: POLL_LANES,
+            full_resync_interval: secs(3600),
+            tail_guard: TAIL_SHARE,
+        }
+    }
+
+    /// Skewed changes for [`simulate`]: tenant t's vouchers change 0.5 / t
+    /// times a second, at every multiple of the period (exact counts, no
+    /// noise); categories never change.
+    fn skewed_vouchers(key: StreamKey, at: Duration, since: Duration) -> u64 {
+        if key.resource == Resource::Categories {
+            return 0;
+        }
+        let rate = 0.5 / key.tenant as f64;
+        let before = (at.as_secs_f64() - since.as_secs_f64()) * rate;
+        ((at.as_secs_f64() * rate).floor() - before.floor()) as u64
+    }
+
+    /// The gaps between polls once the schedule settled (after 900 s).
+    fn settled(at: &[Duration]) -> Vec<Duration> {
+        at.windows(2)
+            .filter(|w| w[0] >= secs(900))
+            .map(|w| w[1] - w[0])
+            .collect()
+    }
+
     /// Streams with skewed rates against the async planner on tokio's
     /// paused clock: every stream that changes is polled within the tail
     /// target (plus the requests ahead of it), the idle ones within the cap,
     /// and the budget they leave goes to the hot streams.
     #[tokio::test(start_paused = true)]
     async fn with_skewed_rates_every_stream_that_changes_is_polled_within_the_tail_target() {
-        let settings = PlannerSettings {
-            interval: secs(5),
-            max_interval: secs(120),
-            poll_lanes: POLL_LANES,
-            full_resync_interval: secs(3600),
-            tail_guard: TAIL_SHARE,
-        };
         let budget = RateBudget::new(60);
         let slot = budget.spacing().unwrap();
         // 40 streams at 57 requests a minute paced: a round of 42.1 s.
@@ -1586,28 +1631,14 @@ mod tests {
         let mut keys: Vec<_> = (1..=20).map(key).collect();
         keys.extend((1..=20).map(|t| StreamKey::new(t, Resource::Categories)));
         let polls = simulate(
-            settings,
+            contended(),
             budget,
             keys,
             Duration::ZERO,
             secs(2400),
-            |k, at, since| {
-                if k.resource == Resource::Categories {
-                    return 0;
-                }
-                // Changes at every multiple of 1/rate: exact counts, no noise.
-                let rate = 0.5 / k.tenant as f64;
-                let before = (at.as_secs_f64() - since.as_secs_f64()) * rate;
-                ((at.as_secs_f64() * rate).floor() - before.floor()) as u64
-            },
+            skewed_vouchers,
         )
         .await;
-        let settled = |at: &[Duration]| -> Vec<Duration> {
-            at.windows(2)
-                .filter(|w| w[0] >= secs(900))
-                .map(|w| w[1] - w[0])
-                .collect()
-        };
         // The round is computed from what the budget really granted in its
         // last window (a request or two under the pace), and a stream past
         // its deadline waits for those ahead of it.
@@ -1639,6 +1670,53 @@ mod tests {
             hot[hot.len() / 2] < tail_target / 2,
             "the budget idle streams leave goes to the hot one: {hot:?}"
         );
+    }
+
+    /// paused clock: idle streams whose first polls came together (a first
+    /// sync) are planned under the cap, so deadlines spread them among the
+    /// rest; at the cap itself they went first as overdue, all together,
+    /// and held every other stream back for as long as they took.
+    #[tokio::test(start_paused = true)]
+    async fn idle_streams_synced_together_do_not_hold_back_the_streams_that_change() {
+        let budget = RateBudget::new(60);
+        let slot = budget.spacing().unwrap();
+        // 30 idle streams first polled in the first 30 s, together; 30 that
+        // change start once they are done. 60 streams at 57 requests a
+        // minute paced: a round of 63.2 s.
+        let tail_target = Duration::from_secs_f64(60.0 / (57.0 / 60.0) * TAIL_SHARE);
+        let mut streams: Vec<_> = (1..=30)
+            .map(|t| (StreamKey::new(t, Resource::Categories), Duration::ZERO))
+            .collect();
+        streams.extend((1..=30).map(|t| (key(t), secs(35))));
+        let polls = simulate_from(
+            contended(),
+            budget,
+            streams,
+            Duration::ZERO,
+            secs(2400),
+            skewed_vouchers,
+        )
+        .await;
+        // A request ahead of them now and then; at the cap, the idle
+        // streams' bursts made them wait six.
+        let bound = tail_target + slot * 3;
+        for (key, at) in polls
+            .iter()
+            .filter(|(k, _)| k.resource == Resource::Vouchers)
+        {
+            let worst = settled(at).into_iter().max().unwrap_or_default();
+            assert!(
+                worst <= bound,
+                "{key}: waited {worst:?}, over the tail target {bound:?}"
+            );
+        }
+        for (key, at) in polls
+            .iter()
+            .filter(|(k, _)| k.resource == Resource::Categories)
+        {
+            let worst = gaps(at).into_iter().max().unwrap_or_default();
+            assert!(worst <= secs(120) + slot * 7, "{key}: {worst:?}");
+        }
     }
 
     #[test]

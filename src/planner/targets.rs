@@ -15,9 +15,10 @@
 //!    every minute is then not taken for dead, nor one lucky change for hot.
 //! 2. [`target_periods`]: the poll period of each stream. A tail target, a
 //!    share of the round a uniform schedule would take, bounds every stream
-//!    but the coldest, which go to the cap as long as the changes they carry
-//!    would add at most [`TAIL_EXCESS`] of all changes above the tail target
-//!    (the p99 keeps its margin); the budget left is spent on the median:
+//!    but the coldest, which go just under the cap ([`TAIL_CAP_SHARE`]) as
+//!    long as the changes they carry would add at most [`TAIL_EXCESS`] of
+//!    all changes above the tail target (the p99 keeps its margin); the
+//!    budget left is spent on the median:
 //!    the hottest streams at one hot period, the least that polls half the
 //!    changes within it (bang-bang; docs/planner.md). Without a tail target
 //!    (`poll.tail_guard = 0`) the square-root law (Cho and Garcia-Molina
@@ -29,7 +30,7 @@ use std::time::Duration;
 use crate::stream::{Resource, TenantId};
 
 /// Share of all changes allowed to wait longer than the tail target: the
-/// coldest streams held only to the cap carry at most this much of the
+/// coldest streams held only to just under the cap carry at most this much of the
 /// learnt changes times their chance to wait past the tail target. Well
 /// under the 1% a p99 allows: the rest is the margin for estimation and for
 /// the changes no poll can catch (a version deleted before the next poll
@@ -46,6 +47,16 @@ pub const SPEND_SHARE: f64 = 0.99;
 
 /// Share of the estimated changes the median rule polls within the hot period.
 pub const MEDIAN_SHARE: f64 = 0.5;
+
+/// Share of `poll.max_interval` the cold tail is planned at; the rest is
+/// headroom. A cold stream planned at the cap itself is overdue the moment
+/// it is due, and overdue streams go before every other: the cold tail, whose
+/// polls the first sync had bunched together, then polled in bursts that held
+/// everything else back (run L: no cold poll for 40 s, then 13 of 19 requests
+/// in 10 s, every 300 s; the bulk waited up to 220 s for a 200 s target).
+/// Planned a little under the cap, deadlines order the cold tail among the
+/// rest and spread its bursts, and the cap's priority is left for overload.
+pub const TAIL_CAP_SHARE: f64 = 0.95;
 
 /// The grid of tenant rates (changes a second) the population's law lives
 /// on: zero (a tenant that never changes) and a geometric ladder from one
@@ -271,7 +282,8 @@ pub struct Limits {
     pub floor: Duration,
     /// `poll.max_interval`: no period above it.
     pub cap: Duration,
-    /// `poll.tail_guard`: the tail target as a share of a uniform round (0: none, the cap).
+    /// `poll.tail_guard`: the tail target as a share of a uniform round (0:
+    /// none, the cold tail's period just under the cap).
     pub tail_share: f64,
 }
 
@@ -294,6 +306,8 @@ pub fn target_periods(demands: &[Demand], budget: Option<f64>, limits: Limits) -
     let demands = &clean[..];
     let floor = limits.floor.as_secs_f64().max(1e-3);
     let cap = limits.cap.as_secs_f64().max(floor);
+    // The cold tail's period: under the cap by the headroom.
+    let tail_period = (cap * TAIL_CAP_SHARE).max(floor);
     let n = demands.len();
     let costs: Vec<f64> = demands.iter().map(|d| d.cost.max(1.0)).collect();
     let at_floor = |tail_target| Targets {
@@ -322,12 +336,12 @@ pub fn target_periods(demands: &[Demand], budget: Option<f64>, limits: Limits) -
             .then(a.cmp(&b))
     });
     // The cold tail for a tail target x: the coldest streams whose changes
-    // would add at most TAIL_EXCESS above x at the cap.
+    // would add at most TAIL_EXCESS above x at the tail's period.
     let tail_for = |x: f64| {
         let mut tail = vec![false; n];
-        let beyond = 1.0 - x / cap;
+        let beyond = 1.0 - x / tail_period;
         if beyond <= 0.0 {
-            // The tail target is the cap: there is nothing to hold apart.
+            // The tail target is the tail's period: there is nothing to hold apart.
             return tail;
         }
         let mut excess = 0.0;
@@ -347,13 +361,13 @@ pub fn target_periods(demands: &[Demand], budget: Option<f64>, limits: Limits) -
     };
     let spend = |x: f64, tail: &[bool]| -> f64 {
         (0..n)
-            .map(|i| costs[i] / if tail[i] { cap } else { x })
+            .map(|i| costs[i] / if tail[i] { tail_period } else { x })
             .sum()
     };
     let wanted = if limits.tail_share > 0.0 {
-        (round * limits.tail_share).clamp(floor, cap)
+        (round * limits.tail_share).clamp(floor, tail_period)
     } else {
-        cap
+        tail_period
     };
     // The tail target: the wanted one, or the least the budget allows.
     let mut target = wanted;
@@ -370,7 +384,9 @@ pub fn target_periods(demands: &[Demand], budget: Option<f64>, limits: Limits) -
         target = hi;
     }
     let mut tail = tail_for(target);
-    let base: Vec<f64> = (0..n).map(|i| if tail[i] { cap } else { target }).collect();
+    let base: Vec<f64> = (0..n)
+        .map(|i| if tail[i] { tail_period } else { target })
+        .collect();
     let spread = Spread {
         demands,
         costs: &costs,
@@ -404,7 +420,7 @@ pub fn target_periods(demands: &[Demand], budget: Option<f64>, limits: Limits) -
 }
 
 /// The budget left above the base schedule (every stream at the tail target,
-/// the cold tail at the cap), and the two ways to spend it.
+/// the cold tail just under the cap), and the two ways to spend it.
 struct Spread<'a> {
     demands: &'a [Demand],
     costs: &'a [f64],
@@ -525,6 +541,9 @@ impl Spread<'_> {
 mod tests {
     use super::*;
 
+    /// The cold tail's period under the tests' 300 s cap (seconds).
+    const TAIL_PERIOD: f64 = 300.0 * TAIL_CAP_SHARE;
+
     fn limits(tail_share: f64) -> Limits {
         Limits {
             floor: Duration::from_secs(30),
@@ -609,13 +628,13 @@ mod tests {
                 assert!(*t <= tail_target, "stream {i} at {t:?}");
             }
         }
-        // The hottest stream polls at the floor-side, the idle ones at the cap.
+        // The hottest stream polls at the floor-side, the idle ones at the tail's period.
         assert!(
             targets.periods[0] < Duration::from_secs(60),
             "{:?}",
             targets.periods[0]
         );
-        assert!(targets.tail[399] && targets.periods[399] == Duration::from_secs(300));
+        assert!(targets.tail[399] && targets.periods[399] == Duration::from_secs_f64(TAIL_PERIOD));
     }
 
     #[test]
@@ -629,7 +648,7 @@ mod tests {
             .iter()
             .zip(&targets.tail)
             .filter(|(_, t)| **t)
-            .map(|(d, _)| d.rate / total * (1.0 - tail_target / 300.0))
+            .map(|(d, _)| d.rate / total * (1.0 - tail_target / TAIL_PERIOD))
             .sum();
         assert!(excess <= TAIL_EXCESS + 1e-12, "excess {excess}");
         assert!(targets.tail.iter().filter(|t| **t).count() >= 80);
@@ -673,7 +692,7 @@ mod tests {
                 .zip(&targets.tail)
                 .map(|(d, tail)| {
                     if *tail {
-                        300.0
+                        TAIL_PERIOD
                     } else if d.rate <= 0.0 {
                         target
                     } else {
@@ -708,12 +727,14 @@ mod tests {
         let median = quantile(&periods, &demands, MEDIAN_SHARE);
         assert!((median - hot).abs() < 0.05, "median {median} vs {hot}");
         // Bang-bang: every stream is at the hot period, at its base (the
-        // tail target or the cap) or is the one stream between; the hot ones
+        // tail target or the tail's period) or is the one stream between; the hot ones
         // are the hottest.
         let between: Vec<usize> = (0..400)
             .filter(|&i| {
                 let t = periods[i];
-                (t - hot).abs() > 1e-6 && (t - tail_target).abs() > 1e-6 && (t - 300.0).abs() > 1e-6
+                (t - hot).abs() > 1e-6
+                    && (t - tail_target).abs() > 1e-6
+                    && (t - TAIL_PERIOD).abs() > 1e-6
             })
             .collect();
         assert!(between.len() <= 1, "{between:?}");
@@ -767,10 +788,13 @@ mod tests {
     }
 
     #[test]
-    fn without_a_tail_share_the_square_root_law_reaches_the_cap() {
+    fn without_a_tail_share_the_square_root_law_reaches_the_tail_period_under_the_cap() {
         let budget = 113.0 / 60.0;
         let targets = target_periods(&skewed(), Some(budget), limits(0.0));
-        assert_eq!(targets.tail_target, Some(Duration::from_secs(300)));
+        assert_eq!(
+            targets.tail_target,
+            Some(Duration::from_secs_f64(TAIL_PERIOD))
+        );
         // Period ratios follow sqrt(rate ratio) where neither bound binds.
         let demands = skewed();
         let (a, b) = (20, 40);
@@ -824,7 +848,7 @@ mod tests {
             assert_eq!(*quiet, *t > targets.tail_target.unwrap());
         }
         // One hot stream and nine nearly idle ones in the cold tail: the
-        // budget left brings cold streams down from the cap, seven to the
+        // budget left brings cold streams down from the tail's period, seven to the
         // floor and one part of the way; only those still above the tail
         // target are flagged.
         let demands: Vec<Demand> = (0..10u64)
@@ -837,7 +861,7 @@ mod tests {
         let between: Vec<&Duration> = targets
             .periods
             .iter()
-            .filter(|t| **t > tail_target && **t < Duration::from_secs(300))
+            .filter(|t| **t > tail_target && t.as_secs_f64() < TAIL_PERIOD)
             .collect();
         assert_eq!(between.len(), 1, "{:?}", targets.periods);
         for (t, quiet) in targets.periods.iter().zip(&targets.tail) {
