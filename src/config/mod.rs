@@ -242,9 +242,9 @@ pub const DEFAULT_MAX_INTERVAL: Duration = Duration::from_secs(300);
 /// Default of `poll.full_sweep_share`.
 pub const DEFAULT_FULL_SWEEP_SHARE: f64 = 0.25;
 /// Default of `poll.tail_guard`: every stream but the cold tail is polled
-/// at least once per 0.95 x the round a uniform schedule would take, so the
+/// at least once per 0.97 x the round a uniform schedule would take, so the
 /// slowest changes wait less than under uniform polling (docs/planner.md).
-pub const DEFAULT_TAIL_GUARD: f64 = 0.95;
+pub const DEFAULT_TAIL_GUARD: f64 = 0.97;
 /// Default of `poll.max_pages_floor`: a listing of 500,000 records.
 pub const DEFAULT_MAX_PAGES_FLOOR: u64 = 10_000;
 
