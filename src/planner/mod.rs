@@ -917,6 +917,9 @@ mod tests {
 
     /// The default tail target share (`poll.tail_guard`).
     const TAIL_SHARE: f64 = crate::config::DEFAULT_TAIL_GUARD;
+    /// Requests a second a budget of 60 a minute really grants (the reserve
+    /// taken), as the tests' schedules are planned with.
+    const PACED_60: f64 = 57.0 / 60.0;
 
     fn key(tenant: u64) -> StreamKey {
         StreamKey::new(tenant, Resource::Vouchers)
@@ -1373,7 +1376,7 @@ mod tests {
             max_interval: secs(120),
             ..settings(POLL_LANES)
         });
-        core.set_paced_rate(Some(57.0 / 60.0));
+        core.set_paced_rate(Some(PACED_60));
         let mut keys: Vec<_> = (1..=20).map(key).collect();
         keys.extend((1..=20).map(|t| StreamKey::new(t, Resource::Categories)));
         warm(&mut core, &keys, t0);
@@ -1395,7 +1398,7 @@ mod tests {
         let (mut core, keys, at) = skewed_core();
         core.plan(at);
         // 40 streams at 57 a minute: a uniform round of 42.1 s.
-        let round = 40.0 / (57.0 / 60.0);
+        let round = 40.0 / PACED_60;
         let tail_target = core.tail_target().unwrap();
         assert!(
             (tail_target.as_secs_f64() - TAIL_SHARE * round).abs() < 0.5,
@@ -1427,7 +1430,7 @@ mod tests {
             .iter()
             .map(|k| 1.0 / core.poll_bound(*k).as_secs_f64())
             .sum();
-        let plannable = 57.0 / 60.0 * targets::SPEND_SHARE;
+        let plannable = PACED_60 * targets::SPEND_SHARE;
         assert!(spent <= plannable * 1.001, "{spent}");
         assert!(spent >= plannable * 0.98, "{spent}");
     }
@@ -1587,6 +1590,11 @@ mod tests {
         assert_eq!(core.poll_bound(key(1)), core.poll_bound(key(20)));
     }
 
+    /// The tail target of `streams` one-request streams on a budget of 60 a minute.
+    fn tail_target_at_60(streams: f64) -> Duration {
+        Duration::from_secs_f64(streams / PACED_60 * TAIL_SHARE)
+    }
+
     /// A contended token's planner: a 5 s floor, a 120 s cap.
     fn contended() -> PlannerSettings {
         PlannerSettings {
@@ -1627,7 +1635,7 @@ mod tests {
         let budget = RateBudget::new(60);
         let slot = budget.spacing().unwrap();
         // 40 streams at 57 requests a minute paced: a round of 42.1 s.
-        let tail_target = Duration::from_secs_f64(40.0 / (57.0 / 60.0) * TAIL_SHARE);
+        let tail_target = tail_target_at_60(40.0);
         let mut keys: Vec<_> = (1..=20).map(key).collect();
         keys.extend((1..=20).map(|t| StreamKey::new(t, Resource::Categories)));
         let polls = simulate(
@@ -1683,7 +1691,7 @@ mod tests {
         // 30 idle streams first polled in the first 30 s, together; 30 that
         // change start once they are done. 60 streams at 57 requests a
         // minute paced: a round of 63.2 s.
-        let tail_target = Duration::from_secs_f64(60.0 / (57.0 / 60.0) * TAIL_SHARE);
+        let tail_target = tail_target_at_60(60.0);
         let mut streams: Vec<_> = (1..=30)
             .map(|t| (StreamKey::new(t, Resource::Categories), Duration::ZERO))
             .collect();
