@@ -400,17 +400,95 @@ impl SledStore {
         what: &str,
         decode: fn(&[u8]) -> Option<T>,
     ) -> Result<Vec<Option<T>>, StateError> {
+        let decoded = |id: i64, value: Option<sled::IVec>| match value {
+            None => Ok(None),
+            Some(v) => decode(&v)
+                .map(Some)
+                .ok_or_else(|| self.corrupt_value(what, &codec::record_key(kind, key, id))),
+        };
+        if let Some(mut found) = self.entries_in_span(kind, key, ids)? {
+            return ids
+                .iter()
+                .map(|&id| decoded(id, found.remove(&id)))
+                .collect();
+        }
         ids.iter()
-            .map(|&id| {
-                let k = codec::record_key(kind, key, id);
-                match self.read(key, &k)? {
-                    None => Ok(None),
-                    Some(v) => decode(&v)
-                        .map(Some)
-                        .ok_or_else(|| self.corrupt_value(what, &k)),
-                }
-            })
+            .map(|&id| decoded(id, self.read(key, &codec::record_key(kind, key, id))?))
             .collect()
+    }
+
+    /// The entries of `kind` the stream holds for `ids` (a staged write over
+    /// sled's), found by one range scan over the ids' span instead of one
+    /// lookup per id; None when the span holds more than [`span_scan_limit`]
+    /// entries, and the caller looks each id up.
+    ///
+    /// Tombstones, dead-letter marks and stored versions are rare: a page's
+    /// span usually holds none of them, and a scan finding that costs one
+    /// tree descent where a lookup (or a removal, which sled applies as a
+    /// lookup) per id costs fifty.
+    fn entries_in_span(
+        &self,
+        kind: u8,
+        key: StreamKey,
+        ids: &[i64],
+    ) -> Result<Option<HashMap<i64, sled::IVec>>, StateError> {
+        let (Some(&low), Some(&high)) = (ids.iter().min(), ids.iter().max()) else {
+            return Ok(Some(HashMap::new()));
+        };
+        let limit = span_scan_limit(ids.len());
+        let span = codec::record_key(kind, key, low)..=codec::record_key(kind, key, high);
+        // The staged writes first: a commit staged while sled is scanned is
+        // then read twice, never missed (settling moves it into sled).
+        let mut staged: Vec<(i64, Option<sled::IVec>)> = Vec::new();
+        if let Some(entry) = lock(&self.staged).get(&key) {
+            let from: &[u8] = &span.start()[..];
+            let to: &[u8] = &span.end()[..];
+            for (k, v) in entry.writes.0.range::<[u8], _>((
+                std::ops::Bound::Included(from),
+                std::ops::Bound::Included(to),
+            )) {
+                let id = codec::key_id(k).ok_or_else(|| self.corrupt_value("staged entry", k))?;
+                staged.push((id, v.clone()));
+            }
+        }
+        if staged.len() > limit {
+            return Ok(None);
+        }
+        let wanted: HashSet<i64> = ids.iter().copied().collect();
+        let mut found = HashMap::new();
+        for (scanned, entry) in self.catalog.range(span).enumerate() {
+            if scanned >= limit {
+                return Ok(None);
+            }
+            let (k, v) = entry.map_err(|e| self.err(e))?;
+            let id = codec::key_id(&k).ok_or_else(|| self.corrupt_value("catalog entry", &k))?;
+            if wanted.contains(&id) {
+                found.insert(id, v);
+            }
+        }
+        for (id, write) in staged {
+            match write {
+                Some(v) if wanted.contains(&id) => {
+                    found.insert(id, v);
+                }
+                Some(_) => {}
+                None => {
+                    found.remove(&id);
+                }
+            }
+        }
+        Ok(Some(found))
+    }
+
+    /// Ids among `ids` that hold an entry of `kind`, or all of them when
+    /// their span holds too many entries to tell by one scan: the removals
+    /// a commit must write (removing an absent key writes nothing to sled's
+    /// log, but costs `apply_batch` a tree lookup, three per record before).
+    fn removable(&self, kind: u8, key: StreamKey, ids: &[i64]) -> Result<HashSet<i64>, StateError> {
+        Ok(match self.entries_in_span(kind, key, ids)? {
+            Some(found) => found.into_keys().collect(),
+            None => ids.iter().copied().collect(),
+        })
     }
 
     /// Loads the bucket `bucket` of a stream (empty when absent).
@@ -768,14 +846,19 @@ impl StateStore for SledStore {
         let mut buckets = BTreeMap::new();
         let mut dirty = BTreeSet::new();
         let mut added = 0u64;
+        let ids: Vec<i64> = commits.iter().map(|(id, _)| *id).collect();
+        let tombstones = self.removable(KIND_TOMBSTONE, key, &ids)?;
+        let marks = self.removable(KIND_DEAD_LETTER, key, &ids)?;
+        let stored = self.removable(KIND_VERSION, key, &ids)?;
         for (id, record) in commits {
             let (bucket, slot) = self.bucket_for(&mut buckets, key, *id)?;
             if bucket.slots[slot].replace(*record).is_none() {
                 added += 1;
             }
             dirty.insert(codec::bucket_of(*id).0);
-            // Removing an absent key is a no-op in sled (nothing is logged).
-            batch.remove(&codec::record_key(KIND_TOMBSTONE, key, *id)[..]);
+            if tombstones.contains(id) {
+                batch.remove(&codec::record_key(KIND_TOMBSTONE, key, *id)[..]);
+            }
             let mark = codec::record_key(KIND_DEAD_LETTER, key, *id);
             match letters.get(id) {
                 Some(letter) => {
@@ -783,11 +866,14 @@ impl StateStore for SledStore {
                         .map_err(|e| self.corrupt(format!("cannot encode a dead letter: {e}")))?;
                     batch.insert(&mark[..], value);
                 }
-                None => batch.remove(&mark[..]),
+                None if marks.contains(id) => batch.remove(&mark[..]),
+                None => {}
             }
             // A version committed without a stored version keeps none: an
-            // older one would describe another version (no-op when absent).
-            batch.remove(&codec::record_key(KIND_VERSION, key, *id)[..]);
+            // older one would describe another version.
+            if stored.contains(id) {
+                batch.remove(&codec::record_key(KIND_VERSION, key, *id)[..]);
+            }
         }
         let mut new_shapes = NewShapes::new();
         for (id, version) in versions {
@@ -848,6 +934,9 @@ impl StateStore for SledStore {
         let mut dirty = BTreeSet::new();
         let mut value = Vec::with_capacity(32);
         let mut removed = 0u64;
+        let ids: Vec<i64> = deletes.iter().map(|(id, _)| *id).collect();
+        let marks = self.removable(KIND_DEAD_LETTER, key, &ids)?;
+        let stored = self.removable(KIND_VERSION, key, &ids)?;
         for (id, tombstone) in deletes {
             let (bucket, slot) = self.bucket_for(&mut buckets, key, *id)?;
             if bucket.slots[slot].take().is_some() {
@@ -856,8 +945,12 @@ impl StateStore for SledStore {
             }
             codec::encode_tombstone(tombstone, &mut value);
             batch.insert(&codec::record_key(KIND_TOMBSTONE, key, *id)[..], &value[..]);
-            batch.remove(&codec::record_key(KIND_DEAD_LETTER, key, *id)[..]);
-            batch.remove(&codec::record_key(KIND_VERSION, key, *id)[..]);
+            if marks.contains(id) {
+                batch.remove(&codec::record_key(KIND_DEAD_LETTER, key, *id)[..]);
+            }
+            if stored.contains(id) {
+                batch.remove(&codec::record_key(KIND_VERSION, key, *id)[..]);
+            }
         }
         Self::write_buckets(&mut batch, key, &buckets, &dirty);
         if removed > 0 {
@@ -1035,6 +1128,13 @@ impl SledStore {
         }
         Ok(())
     }
+}
+
+/// Entries a span scan reads before it gives up and the ids are looked up
+/// one by one: past twice the ids, the span is dense with entries of other
+/// ids and the lookups are the cheaper way.
+fn span_scan_limit(ids: usize) -> usize {
+    2 * ids + 8
 }
 
 /// Every kind of catalog entry a stream has.
@@ -1242,6 +1342,16 @@ mod tests {
         }
     }
 
+    fn letter(byte: u8) -> DeadLetter {
+        DeadLetter {
+            since: chrono::Utc
+                .timestamp_opt(1_700_000_000 + i64::from(byte), 0)
+                .unwrap(),
+            reason: format!("event {byte} exceeds the broker's limit"),
+            limit: Some(u64::from(byte)),
+        }
+    }
+
     fn tombstone(byte: u8, generation: u32) -> Tombstone {
         Tombstone {
             generation,
@@ -1359,6 +1469,43 @@ mod tests {
             vec![Some(record(7, 0))]
         );
         assert_eq!(store.record_count(VOUCHERS).unwrap(), 2);
+    }
+
+    #[test]
+    fn a_commit_clears_its_ids_tombstones_and_marks_however_many_others_lie_between_them() {
+        let store = SledStore::open_temporary().unwrap();
+        let dense: Vec<(i64, Tombstone)> = (0..100).map(|id| (id, tombstone(1, 1))).collect();
+        store.delete_records(VOUCHERS, &dense).unwrap();
+        // Two ids whose span holds 100 tombstones (past the scan's limit),
+        // then two whose span holds only theirs.
+        store
+            .commit_records(VOUCHERS, &[(0, record(1, 0)), (99, record(2, 0))], &[], 0)
+            .unwrap();
+        store
+            .commit_records(VOUCHERS, &[(40, record(3, 0)), (41, record(4, 0))], &[], 0)
+            .unwrap();
+        let all: Vec<i64> = (0..100).collect();
+        let left: Vec<i64> = all
+            .iter()
+            .zip(store.get_tombstones(VOUCHERS, &all).unwrap())
+            .filter_map(|(id, t)| t.map(|_| *id))
+            .collect();
+        let expected: Vec<i64> = (1..99).filter(|id| *id != 40 && *id != 41).collect();
+        assert_eq!(left, expected);
+
+        // A dead-letter mark staged by one page commit goes with the next
+        // commit of its id, before either reaches sled.
+        store.flush().unwrap();
+        let acks = vec![Delivery::DeadLettered(letter(5))];
+        let page = Acked::page(vec![(500, record(5, 0))], acks, Vec::new(), 0).unwrap();
+        store.commit_page(VOUCHERS, &page).unwrap();
+        let mark = codec::record_key(KIND_DEAD_LETTER, VOUCHERS, 500);
+        assert!(store.read(VOUCHERS, &mark).unwrap().is_some());
+        store
+            .commit_records(VOUCHERS, &[(500, record(6, 0))], &[], 0)
+            .unwrap();
+        assert_eq!(store.staged_pages(VOUCHERS), 2);
+        assert_eq!(store.dead_letters(VOUCHERS).unwrap(), Vec::new());
     }
 
     #[test]
@@ -1706,17 +1853,32 @@ mod tests {
     #[derive(Debug, Clone)]
     enum Op {
         Intents(Vec<(i64, u8)>),
-        Commit(Vec<(i64, u8)>, Vec<i64>, u64),
+        /// Records (id, hash byte, how it was delivered), seen ids, epoch.
+        Commit(Vec<(i64, u8, Landing)>, Vec<i64>, u64),
         Delete(Vec<(i64, u8)>),
+    }
+
+    /// How a committed record's event landed, and what the commit keeps of it.
+    #[derive(Debug, Clone, Copy)]
+    enum Landing {
+        Acknowledged,
+        DeadLettered,
+        WithVersion,
     }
 
     fn op_strategy() -> impl proptest::strategy::Strategy<Value = Op> {
         use proptest::prelude::*;
         let id = -70i64..70;
         let pairs = proptest::collection::vec((id.clone(), any::<u8>()), 0..12);
+        let landing = prop_oneof![
+            3 => Just(Landing::Acknowledged),
+            1 => Just(Landing::DeadLettered),
+            1 => Just(Landing::WithVersion),
+        ];
+        let commits = proptest::collection::vec((id.clone(), any::<u8>(), landing), 0..12);
         prop_oneof![
             pairs.clone().prop_map(Op::Intents),
-            (pairs.clone(), proptest::collection::vec(id, 0..12), 0u64..4)
+            (commits, proptest::collection::vec(id, 0..12), 0u64..4)
                 .prop_map(|(c, s, e)| Op::Commit(c, s, e)),
             pairs.prop_map(Op::Delete),
         ]
@@ -1726,7 +1888,7 @@ mod tests {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
 
         #[test]
-        fn the_store_behaves_like_a_map_of_records_intents_and_tombstones(
+        fn the_store_behaves_like_a_map_of_records_intents_tombstones_dead_letters_and_versions(
             ops in proptest::collection::vec(op_strategy(), 1..25)
         ) {
             use std::collections::BTreeMap;
@@ -1734,6 +1896,8 @@ mod tests {
             let mut records: BTreeMap<i64, RecordState> = BTreeMap::new();
             let mut intents: BTreeMap<i64, Intent> = BTreeMap::new();
             let mut tombstones: BTreeMap<i64, Tombstone> = BTreeMap::new();
+            let mut letters: BTreeMap<i64, DeadLetter> = BTreeMap::new();
+            let mut versions: BTreeMap<i64, StoredVersion> = BTreeMap::new();
             for op in ops {
                 match op {
                     Op::Intents(list) => {
@@ -1742,18 +1906,43 @@ mod tests {
                         intents.extend(list);
                     }
                     Op::Commit(list, seen, epoch) => {
-                        let list: Vec<_> = list.into_iter().map(|(id, b)| (id, record(b, epoch))).collect();
-                        store.commit_records(VOUCHERS, &list, &seen, epoch).unwrap();
+                        let mut commits = Vec::new();
+                        let mut deliveries = Vec::new();
+                        let mut stored = Vec::new();
+                        // A page lists an id once (the sweep dedupes it): the last listing.
+                        let last: BTreeMap<i64, (u8, Landing)> =
+                            list.into_iter().map(|(id, b, landing)| (id, (b, landing))).collect();
+                        for (id, (b, landing)) in last {
+                            let r = record(b, epoch);
+                            commits.push((id, r));
+                            deliveries.push(match landing {
+                                Landing::DeadLettered => Delivery::DeadLettered(letter(b)),
+                                _ => Delivery::Acknowledged,
+                            });
+                            if let Landing::WithVersion = landing {
+                                stored.push((id, version(r.hash, &format!("{{\"id\":{id},\"b\":{b}}}"))));
+                            }
+                        }
+                        let page = Acked::page(commits.clone(), deliveries.clone(), seen.clone(), epoch)
+                            .unwrap()
+                            .with_versions(stored.clone());
+                        store.commit_page(VOUCHERS, &page).unwrap();
                         for id in &seen {
                             if let Some(r) = records.get_mut(id) {
                                 r.seen_epoch = epoch;
                             }
                         }
-                        for (id, r) in &list {
+                        for ((id, r), delivery) in commits.iter().zip(deliveries) {
                             records.insert(*id, *r);
                             intents.remove(id);
                             tombstones.remove(id);
+                            versions.remove(id);
+                            match delivery {
+                                Delivery::DeadLettered(l) => letters.insert(*id, l),
+                                Delivery::Acknowledged => letters.remove(id),
+                            };
                         }
+                        versions.extend(stored);
                     }
                     Op::Delete(list) => {
                         let list: Vec<_> = list.into_iter().map(|(id, b)| (id, tombstone(b, 1))).collect();
@@ -1762,9 +1951,16 @@ mod tests {
                             records.remove(id);
                             intents.remove(id);
                             tombstones.insert(*id, *t);
+                            letters.remove(id);
+                            versions.remove(id);
                         }
                     }
                 }
+                let held: Vec<_> = letters.iter().map(|(id, l)| (*id, l.clone())).collect();
+                proptest::prop_assert_eq!(store.dead_letters(VOUCHERS).unwrap(), held);
+                let ids: Vec<i64> = (-70..70).collect();
+                let expected: Vec<_> = ids.iter().map(|id| versions.get(id).cloned()).collect();
+                proptest::prop_assert_eq!(store.get_versions(VOUCHERS, &ids).unwrap(), expected);
                 let ids: Vec<i64> = (-70..70).collect();
                 let expected: Vec<_> = ids.iter().map(|id| records.get(id).copied()).collect();
                 proptest::prop_assert_eq!(store.get_records(VOUCHERS, &ids).unwrap(), expected);
