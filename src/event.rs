@@ -123,7 +123,7 @@ pub fn event_id(parts: &EventIdParts<'_>) -> String {
     field(Some(parts.content_hash.as_bytes()));
     field(parts.previous_hash.map(str::as_bytes));
     field(parts.replay_id.map(str::as_bytes));
-    hex::encode(truncated(&blake3::hash(&h)))
+    crate::hash::hex128(&truncated(&blake3::hash(&h)))
 }
 
 /// The structured-mode CloudEvents JSON document (field order as DESIGN.md),

@@ -26,6 +26,19 @@ pub fn truncated(digest: &blake3::Hash) -> [u8; 16] {
     bytes
 }
 
+/// The 32 lowercase hex digits of a 128-bit hash: written straight into the
+/// string's bytes (two of every event's attributes are such digits, and
+/// `hex::encode` builds them a `char` at a time).
+pub fn hex128(bytes: &[u8; 16]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(32);
+    for byte in bytes {
+        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
+        out.push(char::from(DIGITS[usize::from(byte & 0xf)]));
+    }
+    out
+}
+
 /// A 128-bit content hash of a record's canonical JSON.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ContentHash(pub [u8; 16]);
@@ -33,7 +46,7 @@ pub struct ContentHash(pub [u8; 16]);
 impl ContentHash {
     /// The 32 lowercase hex digits of the hash.
     pub fn to_hex(&self) -> String {
-        hex::encode(self.0)
+        hex128(&self.0)
     }
 
     /// Parses 32 hex digits.
@@ -49,13 +62,7 @@ impl ContentHash {
 
 impl fmt::Display for ContentHash {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut buf = [0u8; 32];
-        // Encoding 16 bytes into a 32-byte buffer cannot fail.
-        if hex::encode_to_slice(self.0, &mut buf).is_err() {
-            return Err(fmt::Error);
-        }
-        // Hex digits are ASCII.
-        f.write_str(std::str::from_utf8(&buf).map_err(|_| fmt::Error)?)
+        f.write_str(&hex128(&self.0))
     }
 }
 
@@ -180,6 +187,13 @@ pub fn canonical_json(raw: &str, ignore: &IgnoreKeys, out: &mut Vec<u8>) -> Resu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        #[test]
+        fn hex128_writes_the_same_digits_as_the_hex_crate(bytes in proptest::prelude::any::<[u8; 16]>()) {
+            proptest::prop_assert_eq!(hex128(&bytes), hex::encode(bytes));
+        }
+    }
 
     #[test]
     fn content_hash_round_trips_through_hex_and_serde() {
