@@ -30,11 +30,18 @@ pub fn truncated(digest: &blake3::Hash) -> [u8; 16] {
 /// string's bytes (two of every event's attributes are such digits, and
 /// `hex::encode` builds them a `char` at a time).
 pub fn hex128(bytes: &[u8; 16]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut out = String::with_capacity(32);
-    for byte in bytes {
-        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
-        out.push(char::from(DIGITS[usize::from(byte & 0xf)]));
+    out.extend(hex_digits(bytes).iter().map(|&digit| char::from(digit)));
+    out
+}
+
+/// The 32 lowercase hex digits of a 128-bit hash, as ASCII bytes.
+fn hex_digits(bytes: &[u8; 16]) -> [u8; 32] {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = [0u8; 32];
+    for (pair, byte) in out.chunks_exact_mut(2).zip(bytes) {
+        pair[0] = DIGITS[usize::from(byte >> 4)];
+        pair[1] = DIGITS[usize::from(byte & 0xf)];
     }
     out
 }
@@ -62,7 +69,9 @@ impl ContentHash {
 
 impl fmt::Display for ContentHash {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&hex128(&self.0))
+        let digits = hex_digits(&self.0);
+        // Hex digits are ASCII: this never fails.
+        f.write_str(std::str::from_utf8(&digits).map_err(|_| fmt::Error)?)
     }
 }
 
