@@ -461,7 +461,7 @@ fn stream_event(frame: &StreamFrame<'_>, data: &impl Serialize, schema_base: &Sc
     let stream = frame.stream;
     let data_json = serde_json::to_string(data).unwrap_or_else(|_| "{}".to_string());
     let data_raw = RawValue::from_string(data_json).unwrap_or_else(|_| empty_object());
-    let content_hash = hex::encode(truncated(&blake3::hash(data_raw.get().as_bytes())));
+    let content_hash = crate::hash::hex128(&truncated(&blake3::hash(data_raw.get().as_bytes())));
     let (updated_at, identity_hash) = match frame.identity {
         FrameIdentity::ReplayOnly => (None, ""),
         FrameIdentity::TimeAndData => (Some(frame.time.as_str()), content_hash.as_str()),

@@ -95,6 +95,13 @@ impl Writes {
         self.0.insert(key.as_ref().into(), None);
     }
 
+    /// Removes the entry of `kind` of each of `ids` of stream `key`.
+    fn remove_ids<'i>(&mut self, kind: u8, key: StreamKey, ids: impl IntoIterator<Item = &'i i64>) {
+        for id in ids {
+            self.remove(codec::record_key(kind, key, *id));
+        }
+    }
+
     /// The write of `key`: `Some(None)` when it is removed, None when untouched.
     fn get(&self, key: &[u8]) -> Option<Option<&sled::IVec>> {
         self.0.get(key).map(Option::as_ref)
@@ -513,15 +520,38 @@ impl SledStore {
         Ok(Some(found))
     }
 
-    /// Ids among `ids` that hold an entry of `kind`, or all of them when
-    /// their span holds too many entries to tell by one scan: the removals
-    /// a commit must write (removing an absent key writes nothing to sled's
-    /// log, but costs `apply_batch` a tree lookup, three per record before).
-    fn removable(&self, kind: u8, key: StreamKey, ids: &[i64]) -> Result<HashSet<i64>, StateError> {
-        Ok(match self.entries_in_span(kind, key, ids)? {
-            Some(found) => found.into_keys().collect(),
-            None => ids.iter().copied().collect(),
-        })
+    /// Adds to `batch` the removal of the entries of `kind` that `ids` hold,
+    /// or of all of theirs when their span holds too many entries to tell by
+    /// one scan (removing an absent key writes nothing to sled's log, but
+    /// costs `apply_batch` a tree lookup, three per record before). Writes
+    /// added to `batch` after this win over these removals.
+    fn remove_held(
+        &self,
+        batch: &mut Writes,
+        kind: u8,
+        key: StreamKey,
+        ids: &[i64],
+    ) -> Result<(), StateError> {
+        match self.entries_in_span(kind, key, ids)? {
+            Some(found) => batch.remove_ids(kind, key, found.keys()),
+            None => batch.remove_ids(kind, key, ids),
+        }
+        Ok(())
+    }
+
+    /// Adds the write of each dead-letter mark of `letters` to `batch`.
+    fn add_dead_letters(
+        &self,
+        batch: &mut Writes,
+        key: StreamKey,
+        letters: &[(i64, DeadLetter)],
+    ) -> Result<(), StateError> {
+        for (id, letter) in letters {
+            let value = serde_json::to_vec(letter)
+                .map_err(|e| self.corrupt(format!("cannot encode a dead letter: {e}")))?;
+            batch.insert(&codec::record_key(KIND_DEAD_LETTER, key, *id)[..], value);
+        }
+        Ok(())
     }
 
     /// Loads the bucket `bucket` of a stream (empty when absent).
@@ -871,8 +901,6 @@ impl StateStore for SledStore {
             versions,
         } = page.batch();
         let epoch = *epoch;
-        let letters: HashMap<i64, &DeadLetter> =
-            dead_letters.iter().map(|(id, l)| (*id, l)).collect();
         let journal = self.journal(key)?;
         let mut journal = lock(&journal);
         let plan = journal.plan_removal(commits.iter().map(|(id, _)| *id));
@@ -881,41 +909,28 @@ impl StateStore for SledStore {
         let mut buckets = BTreeMap::new();
         let mut dirty = BTreeSet::new();
         let mut added = 0u64;
+        // A committed record keeps no tombstone and no dead-letter mark (one
+        // of this page is written below, over the removal), and no stored
+        // version unless this page stores one (written below too): an older
+        // one would describe another version.
         let ids: Vec<i64> = commits.iter().map(|(id, _)| *id).collect();
-        let tombstones = self.removable(KIND_TOMBSTONE, key, &ids)?;
-        let marks = self.removable(KIND_DEAD_LETTER, key, &ids)?;
-        // A page that stores versions comes from a stream that keeps one for
-        // every record: dense, remove each (what a scan would fall back to).
-        let stored = if versions.is_empty() {
-            self.removable(KIND_VERSION, key, &ids)?
+        self.remove_held(&mut batch, KIND_TOMBSTONE, key, &ids)?;
+        self.remove_held(&mut batch, KIND_DEAD_LETTER, key, &ids)?;
+        if versions.is_empty() {
+            self.remove_held(&mut batch, KIND_VERSION, key, &ids)?;
         } else {
-            ids.iter().copied().collect()
-        };
+            // A page that stores versions comes from a stream that keeps one
+            // for every record: dense, remove each (what a scan falls back to).
+            batch.remove_ids(KIND_VERSION, key, &ids);
+        }
         for (id, record) in commits {
             let (bucket, slot) = self.bucket_for(&mut buckets, key, *id)?;
             if bucket.slots[slot].replace(*record).is_none() {
                 added += 1;
             }
             dirty.insert(codec::bucket_of(*id).0);
-            if tombstones.contains(id) {
-                batch.remove(&codec::record_key(KIND_TOMBSTONE, key, *id)[..]);
-            }
-            let mark = codec::record_key(KIND_DEAD_LETTER, key, *id);
-            match letters.get(id) {
-                Some(letter) => {
-                    let value = serde_json::to_vec(letter)
-                        .map_err(|e| self.corrupt(format!("cannot encode a dead letter: {e}")))?;
-                    batch.insert(&mark[..], value);
-                }
-                None if marks.contains(id) => batch.remove(&mark[..]),
-                None => {}
-            }
-            // A version committed without a stored version keeps none: an
-            // older one would describe another version.
-            if stored.contains(id) {
-                batch.remove(&codec::record_key(KIND_VERSION, key, *id)[..]);
-            }
         }
+        self.add_dead_letters(&mut batch, key, dead_letters)?;
         let mut new_shapes = NewShapes::new();
         for (id, version) in versions {
             self.add_version(&mut batch, key, (*id, version), false, &mut new_shapes)?;
@@ -976,8 +991,8 @@ impl StateStore for SledStore {
         let mut value = Vec::with_capacity(32);
         let mut removed = 0u64;
         let ids: Vec<i64> = deletes.iter().map(|(id, _)| *id).collect();
-        let marks = self.removable(KIND_DEAD_LETTER, key, &ids)?;
-        let stored = self.removable(KIND_VERSION, key, &ids)?;
+        self.remove_held(&mut batch, KIND_DEAD_LETTER, key, &ids)?;
+        self.remove_held(&mut batch, KIND_VERSION, key, &ids)?;
         for (id, tombstone) in deletes {
             let (bucket, slot) = self.bucket_for(&mut buckets, key, *id)?;
             if bucket.slots[slot].take().is_some() {
@@ -986,12 +1001,6 @@ impl StateStore for SledStore {
             }
             codec::encode_tombstone(tombstone, &mut value);
             batch.insert(&codec::record_key(KIND_TOMBSTONE, key, *id)[..], &value[..]);
-            if marks.contains(id) {
-                batch.remove(&codec::record_key(KIND_DEAD_LETTER, key, *id)[..]);
-            }
-            if stored.contains(id) {
-                batch.remove(&codec::record_key(KIND_VERSION, key, *id)[..]);
-            }
         }
         Self::write_buckets(&mut batch, key, &buckets, &dirty);
         if removed > 0 {
@@ -1109,11 +1118,7 @@ impl SledStore {
             codec::encode_tombstone(tombstone, &mut value);
             batch.insert(&codec::record_key(KIND_TOMBSTONE, key, *id)[..], &value[..]);
         }
-        for (id, letter) in &dump.dead_letters {
-            let value = serde_json::to_vec(letter)
-                .map_err(|e| self.corrupt(format!("cannot encode a dead letter: {e}")))?;
-            batch.insert(&codec::record_key(KIND_DEAD_LETTER, key, *id)[..], value);
-        }
+        self.add_dead_letters(&mut batch, key, &dump.dead_letters)?;
         if !dump.intents.is_empty() {
             let mut value = Vec::new();
             codec::encode_journal(&dump.intents, &mut value);
