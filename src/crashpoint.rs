@@ -27,6 +27,10 @@ pub mod names {
     /// The next page's intents are durable while an earlier page's commit is
     /// still staged (not written): every event of that page is acknowledged.
     pub const INTENTS_BEFORE_STAGED_COMMIT: &str = "store.intents-before-staged-commit";
+    /// Staged commits too large for one sled batch are being written: the
+    /// first batch of record buckets is in the log, the rest and the journal
+    /// removals are not.
+    pub const BETWEEN_SETTLE_BATCHES: &str = "store.between-settle-batches";
     /// A full sweep's delete intents are written and durable; no delete was published.
     pub const AFTER_DELETE_INTENTS: &str = "sweep.after-delete-intents";
     /// Every delete of a chunk is acknowledged; the deletes are not committed.
@@ -34,11 +38,12 @@ pub mod names {
     /// A chunk of deletes is committed (not necessarily flushed).
     pub const AFTER_DELETE_COMMIT: &str = "sweep.after-delete-commit";
     /// Every crash point, for tests that arm each in turn.
-    pub const ALL: [&str; 7] = [
+    pub const ALL: [&str; 8] = [
         AFTER_INTENTS,
         AFTER_PUBLISH,
         AFTER_COMMIT,
         INTENTS_BEFORE_STAGED_COMMIT,
+        BETWEEN_SETTLE_BATCHES,
         AFTER_DELETE_INTENTS,
         AFTER_DELETE_PUBLISH,
         AFTER_DELETE_COMMIT,

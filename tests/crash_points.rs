@@ -52,8 +52,12 @@ struct World {
 
 impl World {
     async fn start(point: &'static str) -> Option<World> {
+        World::with_vouchers(point, 80).await
+    }
+
+    async fn with_vouchers(point: &'static str, vouchers: usize) -> Option<World> {
         let nats = brokers::spawn_nats()?;
-        let sim = common::spawn_catalog(1, 80, 4).await;
+        let sim = common::spawn_catalog(1, vouchers, 4).await;
         let dir = tempfile::tempdir().unwrap();
         let config = nats_daemon_config(
             &sim,
@@ -234,6 +238,48 @@ async fn staged_commit_scenario(point: &'static str) {
         .await;
 }
 
+/// A crash while a group of staged commits too large for one sled batch is
+/// written: 188 records of a 6,000-record catalog, each in its own 32-id
+/// bucket, change in one incremental sweep (four pages), and the daemon dies
+/// once the first batch of buckets is in the log, before the journal
+/// removals. Upstream then deletes three of them and reverts two (one exact,
+/// one with a fresh updated_at); a full sweep converges.
+async fn settle_batches_scenario(point: &'static str) {
+    let Some(world) = World::with_vouchers(point, 6_000).await else {
+        return;
+    };
+    let sim = &world.sim;
+    world.run_clean(&world.incremental, "first-sync");
+
+    let changed: Vec<i64> = (1..=6_000).step_by(32).collect();
+    let before: Vec<RecordValue> = changed[..2].iter().map(|id| world.snapshot(*id)).collect();
+    for id in &changed {
+        assert!(sim.update(TENANT, VOUCHERS, *id));
+    }
+
+    world.run_until_crash(&world.incremental);
+
+    for id in [changed[10], changed[100], changed[187]] {
+        assert!(sim.delete(TENANT, VOUCHERS, id));
+    }
+    assert!(sim.restore(TENANT, &before[0], false));
+    assert!(sim.restore(TENANT, &before[1], true));
+
+    world.run_clean(&world.full, "restart");
+    world
+        .assert_converged(&format!(
+            "{} records changed in one sweep, interrupted between settle batches; then \
+             deleted {}, {}, {}, reverted {} (exact) and {} (bumped)",
+            changed.len(),
+            changed[10],
+            changed[100],
+            changed[187],
+            changed[0],
+            changed[1]
+        ))
+        .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_after_the_intents_are_written_loses_no_change() {
     page_scenario(names::AFTER_INTENTS).await;
@@ -269,6 +315,11 @@ async fn a_crash_while_a_page_commit_is_staged_behind_the_next_pages_intents_los
     staged_commit_scenario(names::INTENTS_BEFORE_STAGED_COMMIT).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_between_the_batches_of_a_large_staged_group_loses_no_change() {
+    settle_batches_scenario(names::BETWEEN_SETTLE_BATCHES).await;
+}
+
 #[test]
 fn every_crash_point_has_a_scenario() {
     let covered = [
@@ -276,6 +327,7 @@ fn every_crash_point_has_a_scenario() {
         names::AFTER_PUBLISH,
         names::AFTER_COMMIT,
         names::INTENTS_BEFORE_STAGED_COMMIT,
+        names::BETWEEN_SETTLE_BATCHES,
         names::AFTER_DELETE_INTENTS,
         names::AFTER_DELETE_PUBLISH,
         names::AFTER_DELETE_COMMIT,

@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
@@ -63,21 +64,76 @@ const CACHE_CAPACITY: u64 = 16 * 1024 * 1024;
 /// committed state, which the invariant turns into duplicates, never loss).
 const FLUSH_EVERY_MS: u64 = 500;
 
-/// Page commits written to sled as one batch. Each `apply_batch` costs a
-/// synced log write of its own (sled 0.34 seals a log buffer holding only the
-/// batch manifest), on top of the flush every page's intents need: grouping
-/// the commits of four pages takes a page from two synced writes to 1.25.
-/// A crash loses at most this many pages' commits, whose intents are durable:
-/// their events are published again with the same ids.
-const COMMIT_GROUP: usize = 4;
+/// When a stream's staged page commits are written to sled (see
+/// [`SledStore::stage`]). Each `apply_batch` costs a synced log write of its
+/// own (sled 0.34 seals a log buffer holding only the batch manifest) on top
+/// of the flush every page's intents need, and each bucket written costs sled
+/// a tree insert whatever its size: a first sync lists ids in change order,
+/// so a page touches ~47 of a 50,000-record stream's 32-id buckets and, with
+/// commits written four pages at a time, each bucket was written ~30 times.
+/// Staging a stream's commits for up to a second writes each bucket about
+/// once per group. A crash loses at most the staged commits, whose intents are
+/// durable: their events are published again with the same ids.
+#[derive(Debug, Clone, Copy)]
+struct StageLimits {
+    /// Age of a stream's oldest staged commit that ends its group.
+    age: Duration,
+    /// Staged bytes (keys and values) of one stream that end its group.
+    stream_bytes: usize,
+    /// Staged bytes of every stream together that end the committing stream's group.
+    total_bytes: usize,
+}
+
+/// The limits a store opens with: a group lasts at most a second (the order
+/// of sled's own 500 ms flush interval), and holds at most 4 MiB for one
+/// stream (a 100,000-record stream's buckets are about 3 MB) and 16 MiB in all.
+const STAGE_LIMITS: StageLimits = StageLimits {
+    age: Duration::from_secs(1),
+    stream_bytes: 4 << 20,
+    total_bytes: 16 << 20,
+};
+
+/// Keys per sled batch when staged commits are written. sled frees the node
+/// copies each insert leaves behind only once the batch's epoch guard is
+/// dropped: one batch of a whole group's ~1,500 buckets held ~10 MB of them.
+const SETTLE_BATCH_KEYS: usize = 64;
 
 /// One stream's staged page commits.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Staged {
     /// Their writes, later pages' over earlier ones'.
     writes: Writes,
     /// How many page commits they hold.
     pages: usize,
+    /// Bytes of the keys and values of `writes`.
+    bytes: usize,
+    /// When the first of them was staged.
+    since: Instant,
+}
+
+impl Staged {
+    fn new() -> Staged {
+        Staged {
+            writes: Writes::default(),
+            pages: 0,
+            bytes: 0,
+            since: Instant::now(),
+        }
+    }
+
+    /// Adds one page's writes, which win over the staged ones.
+    fn add(&mut self, later: Writes) {
+        let len = |v: &Option<sled::IVec>| v.as_ref().map_or(0, |v| v.len());
+        for (k, v) in later.0 {
+            let (key_len, new_len) = (k.len(), len(&v));
+            match self.writes.0.insert(k, v) {
+                Some(old) => self.bytes = self.bytes.saturating_sub(len(&old)),
+                None => self.bytes += key_len,
+            }
+            self.bytes += new_len;
+        }
+        self.pages += 1;
+    }
 }
 
 /// Catalog writes applied together as one sled batch; a key's last write wins.
@@ -107,21 +163,23 @@ impl Writes {
         self.0.get(key).map(Option::as_ref)
     }
 
-    /// Adds `later`'s writes, which win over these.
-    fn extend(&mut self, later: Writes) {
-        self.0.extend(later.0);
-    }
-
     fn to_batch(&self) -> sled::Batch {
-        let mut batch = sled::Batch::default();
-        for (k, v) in &self.0 {
-            match v {
-                Some(v) => batch.insert(k.clone(), v.clone()),
-                None => batch.remove(k.clone()),
-            }
-        }
-        batch
+        batch_of(&self.0)
     }
+}
+
+/// A sled batch of `writes` (cloning an `IVec` copies no bytes).
+fn batch_of<'w>(
+    writes: impl IntoIterator<Item = (&'w sled::IVec, &'w Option<sled::IVec>)>,
+) -> sled::Batch {
+    let mut batch = sled::Batch::default();
+    for (k, v) in writes {
+        match v {
+            Some(v) => batch.insert(k.clone(), v.clone()),
+            None => batch.remove(k.clone()),
+        }
+    }
+    batch
 }
 
 /// State store backed by a sled database directory.
@@ -134,6 +192,8 @@ pub struct SledStore {
     journals: Mutex<HashMap<StreamKey, Arc<Mutex<StreamJournal>>>>,
     /// Page commits of each stream not yet written to sled (see [`Self::stage`]).
     staged: Mutex<HashMap<StreamKey, Staged>>,
+    /// When staged commits are written (tests use smaller ones).
+    limits: StageLimits,
     /// Field shapes known to be stored, by stream and shape id (read or written).
     shapes: Mutex<HashMap<(StreamKey, u64), Shape>>,
     path: PathBuf,
@@ -203,6 +263,7 @@ impl SledStore {
             db,
             journals: Mutex::new(HashMap::new()),
             staged: Mutex::new(HashMap::new()),
+            limits: STAGE_LIMITS,
             shapes: Mutex::new(HashMap::new()),
             path: path.to_path_buf(),
             _temp_dir: temp_dir,
@@ -325,9 +386,7 @@ impl SledStore {
     }
 
     fn apply(&self, writes: Writes) -> Result<(), StateError> {
-        self.catalog
-            .apply_batch(writes.to_batch())
-            .map_err(|e| self.err(e))
+        self.apply_ref(writes.to_batch())
     }
 
     /// Reads `k` of stream `stream` as every reader must see it: a staged
@@ -341,18 +400,79 @@ impl SledStore {
         self.catalog.get(k).map_err(|e| self.err(e))
     }
 
-    /// Writes the stream's staged commits to sled as one batch (nothing when
-    /// none is staged). They stay staged, and visible, when the write fails.
+    /// Writes the stream's staged commits to sled (nothing when none is
+    /// staged). They stay staged, and visible, when a write fails.
     fn settle(&self, stream: StreamKey) -> Result<(), StateError> {
         let mut staged = lock(&self.staged);
         if let Some(entry) = staged.get(&stream) {
             // Under the lock: a reader sees the writes staged or in sled, never neither.
-            self.catalog
-                .apply_batch(entry.writes.to_batch())
-                .map_err(|e| self.err(e))?;
+            self.write_staged(stream, &entry.writes)?;
             staged.remove(&stream);
         }
         Ok(())
+    }
+
+    /// Writes one stream's staged commits: as one batch when they fit in
+    /// [`SETTLE_BATCH_KEYS`] keys, else in batches of that many keys in key
+    /// order, each with the record count as of itself, and last a batch with
+    /// the journal removals and the count. A crash between two batches leaves
+    /// some acknowledged hashes committed while every intent of the group is
+    /// still journalled: those events are published again with their ids, and
+    /// no intent is ever removed before its record's bucket is written.
+    fn write_staged(&self, stream: StreamKey, writes: &Writes) -> Result<(), StateError> {
+        if writes.0.len() <= SETTLE_BATCH_KEYS {
+            return self.apply_ref(writes.to_batch());
+        }
+        let count_key = codec::prefix(KIND_COUNT, stream);
+        let (last, body): (Vec<_>, Vec<_>) = writes
+            .0
+            .iter()
+            .partition(|(k, _)| k.first() == Some(&KIND_JOURNAL) || k[..] == count_key[..]);
+        // The count as of each batch; none while the stream has no count
+        // entry on disk (a crash then leaves it missing, and it is counted).
+        let mut count = match self.catalog.get(count_key).map_err(|e| self.err(e))? {
+            Some(bytes) => {
+                Some(u64::from_be_bytes(bytes[..].try_into().map_err(|_| {
+                    self.corrupt_value("record count", &count_key)
+                })?))
+            }
+            None => None,
+        };
+        for (number, chunk) in body.chunks(SETTLE_BATCH_KEYS).enumerate() {
+            let mut batch = batch_of(chunk.iter().copied());
+            if let Some(count) = count.as_mut() {
+                for (k, v) in chunk
+                    .iter()
+                    .filter(|(k, _)| k.first() == Some(&KIND_RECORD))
+                {
+                    let before = self.stored_bucket_len(k)?;
+                    let after = match v {
+                        Some(v) => codec::bucket_len(v)
+                            .ok_or_else(|| self.corrupt_value("record bucket", k))?,
+                        None => 0,
+                    };
+                    *count = (*count + u64::from(after)).saturating_sub(u64::from(before));
+                }
+                batch.insert(&count_key[..], &count.to_be_bytes()[..]);
+            }
+            self.apply_ref(batch)?;
+            if number == 0 {
+                crashpoint::hit(crashpoint::names::BETWEEN_SETTLE_BATCHES);
+            }
+        }
+        self.apply_ref(batch_of(last))
+    }
+
+    /// Records in the bucket stored in sled (not staged) under `k`.
+    fn stored_bucket_len(&self, k: &[u8]) -> Result<u32, StateError> {
+        match self.catalog.get(k).map_err(|e| self.err(e))? {
+            Some(v) => codec::bucket_len(&v).ok_or_else(|| self.corrupt_value("record bucket", k)),
+            None => Ok(0),
+        }
+    }
+
+    fn apply_ref(&self, batch: sled::Batch) -> Result<(), StateError> {
+        self.catalog.apply_batch(batch).map_err(|e| self.err(e))
     }
 
     /// [`Self::settle`] for every stream.
@@ -364,19 +484,30 @@ impl SledStore {
     }
 
     /// Stages one page's commit: visible to every read at once, written to
-    /// sled together with the stream's next [`COMMIT_GROUP`] − 1 page commits
-    /// as one batch, or before any other write or scan of the stream, or by
-    /// `flush`. Every staged commit was built from its page's acknowledgements
-    /// and written after its page's intents were made durable.
+    /// sled with the stream's next page commits once the group reaches one of
+    /// the [`StageLimits`] (checked by [`Self::group_full`]), or before any
+    /// other write or scan of the stream, or by `flush`. Every staged commit
+    /// was built from its page's acknowledgements and written after its
+    /// page's intents were made durable.
     fn stage(&self, stream: StreamKey, writes: Writes) {
         if writes.0.is_empty() {
             // A page without changes or seen marks: nothing to write.
             return;
         }
         let mut staged = lock(&self.staged);
-        let entry = staged.entry(stream).or_default();
-        entry.writes.extend(writes);
-        entry.pages += 1;
+        staged.entry(stream).or_insert_with(Staged::new).add(writes);
+    }
+
+    /// True when the stream's staged commits have reached one of the limits:
+    /// their age, their bytes, or the bytes staged for every stream together.
+    fn group_full(&self, stream: StreamKey) -> bool {
+        let staged = lock(&self.staged);
+        let Some(entry) = staged.get(&stream) else {
+            return false;
+        };
+        entry.since.elapsed() >= self.limits.age
+            || entry.bytes >= self.limits.stream_bytes
+            || staged.values().map(|s| s.bytes).sum::<usize>() >= self.limits.total_bytes
     }
 
     /// True when the stream has a staged commit that writes one of `plan`'s keys.
@@ -953,7 +1084,7 @@ impl StateStore for SledStore {
         self.stage(key, batch);
         journal.apply(&plan);
         self.learn_shapes(new_shapes);
-        if self.staged_pages(key) >= COMMIT_GROUP {
+        if self.group_full(key) {
             self.settle(key)?;
         }
         Ok(())
@@ -1626,46 +1757,164 @@ mod tests {
         StreamJournal::load(entries).0.pending()
     }
 
-    #[test]
-    fn page_commits_are_read_at_once_and_written_to_sled_four_pages_at_a_time_or_on_flush() {
-        let store = SledStore::open_temporary().unwrap();
-        for page in 0..COMMIT_GROUP as i64 {
+    /// A temporary store whose staged commits are written by `limits`.
+    fn store_with(limits: StageLimits) -> SledStore {
+        let mut store = SledStore::open_temporary().unwrap();
+        store.limits = limits;
+        store
+    }
+
+    const NEVER: StageLimits = StageLimits {
+        age: Duration::from_secs(3600),
+        stream_bytes: usize::MAX,
+        total_bytes: usize::MAX,
+    };
+
+    /// Journals and commits one record per page, ids 40 apart (one bucket each).
+    fn commit_pages(store: &SledStore, key: StreamKey, pages: std::ops::Range<i64>) {
+        for page in pages {
             let id = page * 40;
-            store.write_intents(VOUCHERS, &[(id, intent(1))]).unwrap();
+            store.write_intents(key, &[(id, intent(1))]).unwrap();
             store
-                .commit_records(VOUCHERS, &[(id, record(1, 0))], &[], 0)
+                .commit_records(key, &[(id, record(1, 0))], &[], 0)
                 .unwrap();
+        }
+    }
+
+    #[test]
+    fn page_commits_are_read_at_once_and_stay_staged_until_their_group_ends_or_a_flush() {
+        let store = store_with(NEVER);
+        for page in 0..6i64 {
+            commit_pages(&store, VOUCHERS, page..page + 1);
+            let id = page * 40;
             assert_eq!(
                 store.get_records(VOUCHERS, &[id]).unwrap(),
                 vec![Some(record(1, 0))]
             );
             assert!(store.pending_intents(VOUCHERS).unwrap().is_empty());
             assert_eq!(store.record_count(VOUCHERS).unwrap(), page as u64 + 1);
-            let written = page as usize + 1 == COMMIT_GROUP;
-            assert_eq!(
-                store.staged_pages(VOUCHERS),
-                if written { 0 } else { page as usize + 1 }
-            );
+            assert_eq!(store.staged_pages(VOUCHERS), page as usize + 1);
             // Until written, a crash would find the intents of every staged page.
             let on_disk: Vec<i64> = intents_on_disk(&store, VOUCHERS)
                 .iter()
                 .map(|(id, _)| *id)
                 .collect();
-            let expected: Vec<i64> = if written {
-                vec![]
-            } else {
-                (0..=page).map(|p| p * 40).collect()
-            };
-            assert_eq!(on_disk, expected);
+            assert_eq!(on_disk, (0..=page).map(|p| p * 40).collect::<Vec<_>>());
         }
-        store.write_intents(VOUCHERS, &[(7, intent(7))]).unwrap();
-        store
-            .commit_records(VOUCHERS, &[(7, record(7, 0))], &[], 0)
-            .unwrap();
-        assert_eq!(store.staged_pages(VOUCHERS), 1);
         store.flush().unwrap();
         assert_eq!(store.staged_pages(VOUCHERS), 0);
         assert!(intents_on_disk(&store, VOUCHERS).is_empty());
+    }
+
+    #[test]
+    fn a_group_ends_at_the_first_commit_that_finds_it_old_or_too_large_for_its_stream_or_for_all() {
+        let written = |store: &SledStore, key| store.staged_pages(key) == 0;
+        // Age: a group older than the limit is written by its next commit.
+        let store = store_with(StageLimits {
+            age: Duration::from_millis(50),
+            ..NEVER
+        });
+        commit_pages(&store, VOUCHERS, 0..1);
+        assert!(!written(&store, VOUCHERS));
+        std::thread::sleep(Duration::from_millis(60));
+        commit_pages(&store, VOUCHERS, 1..2);
+        assert!(written(&store, VOUCHERS));
+        assert!(intents_on_disk(&store, VOUCHERS).is_empty());
+
+        // The bytes one page stages: a bucket, a journal removal and the count.
+        let store = store_with(NEVER);
+        commit_pages(&store, VOUCHERS, 0..1);
+        let one = lock(&store.staged)[&VOUCHERS].bytes;
+        assert!(one > 40, "{one}");
+
+        // One stream's bytes.
+        let store = store_with(StageLimits {
+            stream_bytes: one + 1,
+            ..NEVER
+        });
+        commit_pages(&store, VOUCHERS, 0..1);
+        assert!(!written(&store, VOUCHERS));
+        commit_pages(&store, VOUCHERS, 1..2);
+        assert!(written(&store, VOUCHERS));
+
+        // Every stream's bytes together: the committing stream's group ends.
+        let categories = StreamKey::new(1, crate::stream::Resource::Categories);
+        let store = store_with(StageLimits {
+            total_bytes: 2 * one + 1,
+            ..NEVER
+        });
+        commit_pages(&store, VOUCHERS, 0..1);
+        commit_pages(&store, categories, 0..1);
+        assert!(!written(&store, VOUCHERS) && !written(&store, categories));
+        commit_pages(&store, categories, 1..2);
+        assert!(written(&store, categories));
+        assert!(!written(&store, VOUCHERS));
+    }
+
+    #[test]
+    fn a_group_too_large_for_one_batch_is_written_buckets_first_each_batch_with_its_count_journal_last(
+    ) {
+        let store = store_with(NEVER);
+        // One record on disk first, so the stream has a count entry there.
+        commit_pages(&store, VOUCHERS, -200..-199);
+        store.flush().unwrap();
+        let mut events = store.catalog.watch_prefix(Vec::new());
+        // Three pages, each touching 50 buckets (one record each): 150
+        // buckets, then the journal removals and the count.
+        let mut ids = Vec::new();
+        for page in 0..3i64 {
+            let page_ids: Vec<i64> = (0..50).map(|n| (n * 3 + page) * 32 + page).collect();
+            let intents: Vec<_> = page_ids.iter().map(|&id| (id, intent(2))).collect();
+            store.write_intents(VOUCHERS, &intents).unwrap();
+            let commits: Vec<_> = page_ids.iter().map(|&id| (id, record(2, 0))).collect();
+            store.commit_records(VOUCHERS, &commits, &[], 0).unwrap();
+            ids.extend(page_ids);
+        }
+        assert!(lock(&store.staged)[&VOUCHERS].writes.0.len() > 2 * SETTLE_BATCH_KEYS);
+        // What the flush writes, in order (the intents' own writes first).
+        let journal_writes = |events: &mut sled::Subscriber| {
+            let mut seen = Vec::new();
+            while let Ok(event) = events.next_timeout(Duration::from_millis(200)) {
+                seen.push(event);
+            }
+            seen
+        };
+        journal_writes(&mut events);
+        store.flush().unwrap();
+        let mut counts = Vec::new();
+        let mut last_bucket = None;
+        let mut first_journal = None;
+        for (n, event) in journal_writes(&mut events).into_iter().enumerate() {
+            match (event.key()[0], &event) {
+                (KIND_COUNT, sled::Event::Insert { value, .. }) => {
+                    counts.push(u64::from_be_bytes(value[..].try_into().unwrap()))
+                }
+                (KIND_RECORD, _) => last_bucket = Some(n),
+                (KIND_JOURNAL, _) => {
+                    first_journal.get_or_insert(n);
+                }
+                _ => {}
+            }
+        }
+        assert!(
+            last_bucket.unwrap() < first_journal.unwrap(),
+            "an intent was removed before a bucket of its group was written"
+        );
+        // Each batch of 64 buckets writes the count as of itself (the last
+        // batch writes the staged count again: sled reports no unchanged value).
+        assert_eq!(counts, vec![65, 129, 151]);
+        assert!(intents_on_disk(&store, VOUCHERS).is_empty());
+        assert!(store
+            .get_records(VOUCHERS, &ids)
+            .unwrap()
+            .iter()
+            .all(|r| *r == Some(record(2, 0))));
+        // The count entry agrees with the buckets (the scan it stands for).
+        store
+            .catalog
+            .remove(codec::prefix(KIND_COUNT, VOUCHERS))
+            .unwrap();
+        assert_eq!(store.record_count(VOUCHERS).unwrap(), 151);
     }
 
     #[test]
