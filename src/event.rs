@@ -218,12 +218,23 @@ pub fn format_time(t: DateTime<Utc>) -> String {
 
 /// The partition key of a record: `{tenant}:{voucher|category}:{id}`.
 pub fn partition_key(stream: StreamKey, record_id: &str) -> String {
-    format!(
-        "{}:{}:{}",
-        stream.tenant,
-        stream.resource.singular(),
-        record_id
-    )
+    let mut key = String::with_capacity(record_id.len() + 32);
+    key.push_str(crate::json::decimal(stream.tenant, &mut [0; 20]));
+    key.push(':');
+    key.push_str(stream.resource.singular());
+    key.push(':');
+    key.push_str(record_id);
+    key
+}
+
+/// A record id as text (what `i64::to_string` gives).
+fn id_text(id: i64) -> String {
+    let mut text = String::with_capacity(20);
+    if id < 0 {
+        text.push('-');
+    }
+    text.push_str(crate::json::decimal(id.unsigned_abs(), &mut [0; 20]));
+    text
 }
 
 /// Everything needed to build one record event.
@@ -285,7 +296,7 @@ pub fn record_event_with(change: &RecordChange<'_>, version: VersionAttributes<'
         };
         (EventType::Updated(change.stream.resource), schema)
     };
-    let record_id = change.record_id.to_string();
+    let record_id = id_text(change.record_id);
     let content_hash = change.content_hash.to_hex();
     let previous_hash = change.previous_hash.map(|h| h.to_hex());
     let replay_id = change.replay.map(hex::encode);
@@ -665,7 +676,13 @@ pub fn dead_letter_event(
 }
 
 fn source(stream: StreamKey) -> String {
-    format!("/tenants/{}/catalog/{}", stream.tenant, stream.resource)
+    let resource = stream.resource.as_str();
+    let mut source = String::with_capacity(40 + resource.len());
+    source.push_str("/tenants/");
+    source.push_str(crate::json::decimal(stream.tenant, &mut [0; 20]));
+    source.push_str("/catalog/");
+    source.push_str(resource);
+    source
 }
 
 fn empty_object() -> Box<RawValue> {
@@ -696,7 +713,7 @@ impl CloudEvent<'_> {
         attribute(&mut out, "dataschema", Some(&self.dataschema));
         attribute(&mut out, "partitionkey", Some(self.partitionkey));
         out.extend_from_slice(b",\"tenant\":");
-        out.extend_from_slice(self.tenant.to_string().as_bytes());
+        out.extend_from_slice(crate::json::decimal(self.tenant, &mut [0; 20]).as_bytes());
         attribute(&mut out, "op", self.op.map(Op::as_str));
         attribute(&mut out, "contenthash", Some(self.contenthash));
         attribute(&mut out, "previoushash", self.previoushash);
@@ -736,6 +753,25 @@ fn json_str(out: &mut Vec<u8>, text: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn numbers_are_written_as_to_string_writes_them() {
+        for n in [0u64, 7, 10, 99, 100, 4_096, u64::from(u32::MAX), u64::MAX] {
+            assert_eq!(crate::json::decimal(n, &mut [0; 20]), n.to_string());
+        }
+        for id in [0i64, 1, -1, 42, -9_000, i64::MAX, i64::MIN] {
+            assert_eq!(id_text(id), id.to_string());
+        }
+        let stream = StreamKey::new(18_446_744_073_709_551_615, Resource::Categories);
+        assert_eq!(
+            partition_key(stream, "-5"),
+            "18446744073709551615:category:-5"
+        );
+        assert_eq!(
+            source(stream),
+            "/tenants/18446744073709551615/catalog/categories"
+        );
+    }
 
     #[test]
     fn the_hand_written_envelope_writes_every_attribute_in_order_escaped_as_serde_json_does() {

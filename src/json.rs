@@ -2,7 +2,8 @@
 //! checks): where whitespace, a string or a value ends. Used where a whole
 //! parse is not needed: the page decoder (a record's `id` and
 //! `updated_at`, the envelope around the records) and the sinks' reading of
-//! an event's routing attributes.
+//! an event's routing attributes. Also the decimal digits of an integer,
+//! which events and the canonical form write without `format!`.
 
 /// The first position at or after `pos` that is not JSON whitespace.
 pub(crate) fn skip_ws(bytes: &[u8], mut pos: usize) -> usize {
@@ -115,4 +116,20 @@ pub(crate) fn walk_object(
             _ => return None,
         }
     }
+}
+
+/// The decimal digits of `n`, written into the end of `buf`: every event and
+/// every canonical integer writes numbers, and `format!` costs several times
+/// more than the digits.
+pub(crate) fn decimal(mut n: u64, buf: &mut [u8; 20]) -> &str {
+    let mut start = buf.len();
+    loop {
+        start -= 1;
+        buf[start] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    std::str::from_utf8(&buf[start..]).unwrap_or_default()
 }

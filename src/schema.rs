@@ -116,7 +116,11 @@ impl SchemaBase {
 
     /// The `dataschema` URI of `schema`.
     pub fn uri(&self, schema: DataSchema) -> String {
-        format!("{}{}", self.0, schema.file_name())
+        let file = schema.file_name();
+        let mut uri = String::with_capacity(self.0.len() + file.len());
+        uri.push_str(&self.0);
+        uri.push_str(file);
+        uri
     }
 }
 

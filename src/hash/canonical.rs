@@ -893,18 +893,7 @@ fn write_i64(out: &mut Vec<u8>, value: i64) {
     if value < 0 {
         out.push(b'-');
     }
-    let mut magnitude = value.unsigned_abs();
-    let mut buf = [0u8; 20];
-    let mut i = buf.len();
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (magnitude % 10) as u8;
-        magnitude /= 10;
-        if magnitude == 0 {
-            break;
-        }
-    }
-    out.extend_from_slice(&buf[i..]);
+    out.extend_from_slice(crate::json::decimal(value.unsigned_abs(), &mut [0; 20]).as_bytes());
 }
 
 /// Writes one character in canonical escaped form.

@@ -250,26 +250,47 @@ pub(crate) fn decode_bucket(bytes: &[u8]) -> Option<Bucket> {
     let presence = u32::from_be_bytes(r.take::<4>()?);
     let mut bucket = Bucket::default();
     for (slot, cell) in bucket.slots.iter_mut().enumerate() {
-        if presence & (1 << slot) == 0 {
-            continue;
+        if presence & (1 << slot) != 0 {
+            *cell = Some(read_record(&mut r)?);
         }
-        let (flags, hash, updated_at) = r.head(RECORD_FLAGS)?;
-        let seen_epoch = r.varint()?;
-        let generation = u32::try_from(r.varint()?).ok()?;
-        let seq = if flags & FLAG_SEQ != 0 {
-            r.varint()?
-        } else {
-            0
-        };
-        *cell = Some(RecordState {
-            hash,
-            updated_at,
-            seen_epoch,
-            generation,
-            seq,
-        });
     }
     r.finish(bucket)
+}
+
+/// The record in slot `slot` of an encoded bucket (None inside when the slot
+/// is empty), decoding only the records before it; None when those bytes are
+/// malformed. Reads of a page's known records take one record from each of
+/// up to fifty buckets: decoding whole buckets cost five times as much.
+pub(crate) fn bucket_slot(bytes: &[u8], slot: usize) -> Option<Option<RecordState>> {
+    let mut r = Reader { bytes };
+    let presence = u32::from_be_bytes(r.take::<4>()?);
+    let bit = 1u32.checked_shl(u32::try_from(slot).ok()?)?;
+    if presence & bit == 0 {
+        return Some(None);
+    }
+    for _ in 0..(presence & (bit - 1)).count_ones() {
+        read_record(&mut r)?;
+    }
+    read_record(&mut r).map(Some)
+}
+
+/// The record state at `r`'s position in a bucket.
+fn read_record(r: &mut Reader<'_>) -> Option<RecordState> {
+    let (flags, hash, updated_at) = r.head(RECORD_FLAGS)?;
+    let seen_epoch = r.varint()?;
+    let generation = u32::try_from(r.varint()?).ok()?;
+    let seq = if flags & FLAG_SEQ != 0 {
+        r.varint()?
+    } else {
+        0
+    };
+    Some(RecordState {
+        hash,
+        updated_at,
+        seen_epoch,
+        generation,
+        seq,
+    })
 }
 
 /// The key of a journal entry: like a record key, with the entry's sequence number as id.
@@ -690,6 +711,7 @@ mod tests {
         assert_eq!(decode_bucket(&out), Some(bucket));
         for len in 0..out.len() {
             assert_eq!(decode_bucket(&out[..len]), None, "prefix of {len} bytes");
+            assert_eq!(bucket_slot(&out[..len], 3), None, "prefix of {len} bytes");
         }
         let mut padded = out.clone();
         padded.push(0);
@@ -796,6 +818,10 @@ mod tests {
             bucket.slots[(seen_epoch % 32) as usize] = None;
             bucket.slots[(generation % 32) as usize] = Some(record);
             encode_bucket(&bucket, &mut out);
+            for slot in 0..BUCKET_SLOTS {
+                prop_assert_eq!(bucket_slot(&out, slot), Some(bucket.slots[slot]));
+            }
+            prop_assert_eq!(bucket_slot(&out, BUCKET_SLOTS), None);
             prop_assert_eq!(decode_bucket(&out), Some(bucket));
             let intent = Intent {
                 hash: ContentHash(h), updated_at, generation, seq, op,

@@ -699,14 +699,15 @@ impl SledStore {
     /// The bucket holding `id`, loaded into `buckets` on first use, and the id's slot.
     fn bucket_for<'b>(
         &self,
-        buckets: &'b mut BTreeMap<i64, Bucket>,
+        buckets: &'b mut BTreeMap<i64, Box<Bucket>>,
         key: StreamKey,
         id: i64,
     ) -> Result<(&'b mut Bucket, usize), StateError> {
         let (bucket, slot) = codec::bucket_of(id);
         let loaded = match buckets.entry(bucket) {
             Entry::Occupied(entry) => entry.into_mut(),
-            Entry::Vacant(entry) => entry.insert(self.load_bucket(key, bucket)?),
+            // Boxed: a bucket is 2 KiB, and the map moves its values as it grows.
+            Entry::Vacant(entry) => entry.insert(Box::new(self.load_bucket(key, bucket)?)),
         };
         Ok((loaded, slot))
     }
@@ -745,7 +746,7 @@ impl SledStore {
     fn write_buckets(
         batch: &mut Writes,
         key: StreamKey,
-        buckets: &BTreeMap<i64, Bucket>,
+        buckets: &BTreeMap<i64, Box<Bucket>>,
         dirty: &BTreeSet<i64>,
     ) {
         let mut value = Vec::with_capacity(4 + 32 * 27);
@@ -912,11 +913,21 @@ impl StateStore for SledStore {
         key: StreamKey,
         ids: &[i64],
     ) -> Result<Vec<Option<RecordState>>, StateError> {
-        let mut buckets = BTreeMap::new();
+        // Each bucket read once, as it is stored; one record decoded per id.
+        let mut stored: BTreeMap<i64, Option<sled::IVec>> = BTreeMap::new();
         let mut out = Vec::with_capacity(ids.len());
         for &id in ids {
-            let (bucket, slot) = self.bucket_for(&mut buckets, key, id)?;
-            out.push(bucket.slots[slot]);
+            let (bucket, slot) = codec::bucket_of(id);
+            let k = codec::record_key(KIND_RECORD, key, bucket);
+            let bytes = match stored.entry(bucket) {
+                Entry::Occupied(entry) => entry.into_mut(),
+                Entry::Vacant(entry) => entry.insert(self.read(key, &k)?),
+            };
+            out.push(match bytes {
+                None => None,
+                Some(bytes) => codec::bucket_slot(bytes, slot)
+                    .ok_or_else(|| self.corrupt_value("record bucket", &k))?,
+            });
         }
         Ok(out)
     }
@@ -1235,7 +1246,7 @@ impl SledStore {
         self.settle(key)?;
         let mut batch = Writes::default();
         self.remove_stream_entries(&mut batch, key)?;
-        let mut buckets: BTreeMap<i64, Bucket> = BTreeMap::new();
+        let mut buckets: BTreeMap<i64, Box<Bucket>> = BTreeMap::new();
         for (id, record) in &dump.records {
             let (bucket, slot) = codec::bucket_of(*id);
             buckets.entry(bucket).or_default().slots[slot] = Some(*record);
