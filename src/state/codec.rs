@@ -16,8 +16,9 @@
 //!   ids, so one sled entry serves many records: far fewer sled operations per
 //!   page and far less per-entry overhead on disk than one entry per record;
 //! * a dead-lettered record: key `b'd' | tenant | tag | id`, value the JSON
-//!   of its reason, limit and since (rare, so JSON), written and cleared in
-//!   the same batch as the record's bucket;
+//!   of its reason, limit and since (rare, so JSON), written and cleared with
+//!   the record's bucket (in the same batch, or an earlier one of the same
+//!   staged group when the group needs several);
 //! * the number of records of a stream: key `b'n' | tenant | tag`, value u64 BE,
 //!   updated in the same batch as the buckets;
 //! * intents are journalled per publish batch: key `b'j' | tenant | tag | seq u64 BE`,

@@ -2,10 +2,12 @@
 //!
 //! Three trees: `meta` (layout version), `streams` (one small JSON document
 //! per stream) and `catalog`, which holds records, intents and tombstones of
-//! every stream under kind-prefixed binary keys. Keeping the three per-record
-//! kinds in one tree lets every multi-kind change (commit a page, commit
-//! deletes) be a single `apply_batch`, which sled applies atomically, without
-//! the cost of cross-tree transactions. See docs/state.md.
+//! every stream under kind-prefixed binary keys. Keeping the per-record kinds
+//! in one tree lets a multi-kind change (commit deletes, a group of staged
+//! page commits of up to 64 keys) be a single `apply_batch`, which sled
+//! applies atomically, without the cost of cross-tree transactions; a larger
+//! group is written as several batches, its journal removals in the last
+//! (`write_staged`). See docs/state.md.
 
 use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
@@ -80,23 +82,25 @@ struct StageLimits {
     age: Duration,
     /// Staged bytes (keys and values) of one stream that end its group.
     stream_bytes: usize,
-    /// Staged bytes of every stream together that end the committing stream's group.
+    /// Staged bytes of every stream together that end the committing stream's
+    /// group (a soft bound: the other streams' groups end at their own commits).
     total_bytes: usize,
+    /// Keys per sled batch when a group is written. sled frees the node
+    /// copies each insert leaves behind only once the batch's epoch guard is
+    /// dropped: one batch of a whole group's ~1,500 buckets held ~10 MB of them.
+    batch_keys: usize,
 }
 
-/// The limits a store opens with: a group lasts at most a second (the order
-/// of sled's own 500 ms flush interval), and holds at most 4 MiB for one
-/// stream (a 100,000-record stream's buckets are about 3 MB) and 16 MiB in all.
+/// The limits a store opens with: a group ends at the first commit after it
+/// is a second old (the order of sled's own 500 ms flush interval) or holds
+/// 4 MiB for its stream (a 100,000-record stream's buckets are about 3 MB) or
+/// 16 MiB for every stream; it is written 64 keys a batch.
 const STAGE_LIMITS: StageLimits = StageLimits {
     age: Duration::from_secs(1),
     stream_bytes: 4 << 20,
     total_bytes: 16 << 20,
+    batch_keys: 64,
 };
-
-/// Keys per sled batch when staged commits are written. sled frees the node
-/// copies each insert leaves behind only once the batch's epoch guard is
-/// dropped: one batch of a whole group's ~1,500 buckets held ~10 MB of them.
-const SETTLE_BATCH_KEYS: usize = 64;
 
 /// One stream's staged page commits.
 #[derive(Debug)]
@@ -112,6 +116,7 @@ struct Staged {
 }
 
 impl Staged {
+    /// An empty group, starting now.
     fn new() -> Staged {
         Staged {
             writes: Writes::default(),
@@ -163,6 +168,7 @@ impl Writes {
         self.0.get(key).map(Option::as_ref)
     }
 
+    /// These writes as one sled batch.
     fn to_batch(&self) -> sled::Batch {
         batch_of(&self.0)
     }
@@ -173,13 +179,21 @@ fn batch_of<'w>(
     writes: impl IntoIterator<Item = (&'w sled::IVec, &'w Option<sled::IVec>)>,
 ) -> sled::Batch {
     let mut batch = sled::Batch::default();
+    add_to_batch(&mut batch, writes);
+    batch
+}
+
+/// Adds `writes` to `batch`, over its writes of the same keys.
+fn add_to_batch<'w>(
+    batch: &mut sled::Batch,
+    writes: impl IntoIterator<Item = (&'w sled::IVec, &'w Option<sled::IVec>)>,
+) {
     for (k, v) in writes {
         match v {
             Some(v) => batch.insert(k.clone(), v.clone()),
             None => batch.remove(k.clone()),
         }
     }
-    batch
 }
 
 /// State store backed by a sled database directory.
@@ -386,7 +400,7 @@ impl SledStore {
     }
 
     fn apply(&self, writes: Writes) -> Result<(), StateError> {
-        self.apply_ref(writes.to_batch())
+        self.apply_batch(writes.to_batch())
     }
 
     /// Reads `k` of stream `stream` as every reader must see it: a staged
@@ -412,22 +426,24 @@ impl SledStore {
         Ok(())
     }
 
-    /// Writes one stream's staged commits: as one batch when they fit in
-    /// [`SETTLE_BATCH_KEYS`] keys, else in batches of that many keys in key
-    /// order, each with the record count as of itself, and last a batch with
-    /// the journal removals and the count. A crash between two batches leaves
-    /// some acknowledged hashes committed while every intent of the group is
-    /// still journalled: those events are published again with their ids, and
-    /// no intent is ever removed before its record's bucket is written.
+    /// Writes one stream's staged commits: as one batch when the writes other
+    /// than the journal's and the count fit in `batch_keys`, else in batches
+    /// of that many keys in key order (dead-letter marks, record buckets,
+    /// shapes, tombstones, versions), each with the record count as of
+    /// itself, the journal removals and the staged count in the last. A crash
+    /// between two batches leaves some acknowledged hashes committed while
+    /// every intent of the group is still journalled: those events are
+    /// published again with their ids, and no intent is ever removed before
+    /// its record's bucket is written.
     fn write_staged(&self, stream: StreamKey, writes: &Writes) -> Result<(), StateError> {
-        if writes.0.len() <= SETTLE_BATCH_KEYS {
-            return self.apply_ref(writes.to_batch());
-        }
         let count_key = codec::prefix(KIND_COUNT, stream);
         let (last, body): (Vec<_>, Vec<_>) = writes
             .0
             .iter()
             .partition(|(k, _)| k.first() == Some(&KIND_JOURNAL) || k[..] == count_key[..]);
+        if body.len() <= self.limits.batch_keys {
+            return self.apply_batch(writes.to_batch());
+        }
         // The count as of each batch; none while the stream has no count
         // entry on disk (a crash then leaves it missing, and it is counted).
         let mut count = match self.catalog.get(count_key).map_err(|e| self.err(e))? {
@@ -438,7 +454,8 @@ impl SledStore {
             }
             None => None,
         };
-        for (number, chunk) in body.chunks(SETTLE_BATCH_KEYS).enumerate() {
+        let chunks: Vec<_> = body.chunks(self.limits.batch_keys).collect();
+        for (number, chunk) in chunks.iter().enumerate() {
             let mut batch = batch_of(chunk.iter().copied());
             if let Some(count) = count.as_mut() {
                 for (k, v) in chunk
@@ -455,12 +472,20 @@ impl SledStore {
                 }
                 batch.insert(&count_key[..], &count.to_be_bytes()[..]);
             }
-            self.apply_ref(batch)?;
-            if number == 0 {
+            if number + 1 == chunks.len() {
+                // The journal removals go with the last buckets, never ahead
+                // of any; the staged count wins over the computed one (equal).
+                add_to_batch(&mut batch, last.iter().copied());
+            }
+            self.apply_batch(batch)?;
+            if number == 0 && crashpoint::ENABLED {
+                // The crash point stands for the worst moment: this batch on
+                // disk, the rest not (builds without crash points skip this).
+                self.db.flush().map_err(|e| self.err(e))?;
                 crashpoint::hit(crashpoint::names::BETWEEN_SETTLE_BATCHES);
             }
         }
-        self.apply_ref(batch_of(last))
+        Ok(())
     }
 
     /// Records in the bucket stored in sled (not staged) under `k`.
@@ -471,7 +496,8 @@ impl SledStore {
         }
     }
 
-    fn apply_ref(&self, batch: sled::Batch) -> Result<(), StateError> {
+    /// Applies one sled batch to the catalog (atomic after a crash).
+    fn apply_batch(&self, batch: sled::Batch) -> Result<(), StateError> {
         self.catalog.apply_batch(batch).map_err(|e| self.err(e))
     }
 
@@ -1775,10 +1801,12 @@ mod tests {
         store
     }
 
+    /// Limits no test reaches: groups end only on a flush or another settle.
     const NEVER: StageLimits = StageLimits {
         age: Duration::from_secs(3600),
         stream_bytes: usize::MAX,
         total_bytes: usize::MAX,
+        batch_keys: 64,
     };
 
     /// Journals and commits one record per page, ids 40 apart (one bucket each).
@@ -1862,40 +1890,29 @@ mod tests {
         assert!(!written(&store, VOUCHERS));
     }
 
-    #[test]
-    fn a_group_too_large_for_one_batch_is_written_buckets_first_each_batch_with_its_count_journal_last(
-    ) {
-        let store = store_with(NEVER);
-        // One record on disk first, so the stream has a count entry there.
-        commit_pages(&store, VOUCHERS, -200..-199);
-        store.flush().unwrap();
-        let mut events = store.catalog.watch_prefix(Vec::new());
-        // Three pages, each touching 50 buckets (one record each): 150
-        // buckets, then the journal removals and the count.
+    /// Journals and commits three pages of 50 records, each record in a
+    /// bucket of its own (buckets 0..150), without writing them; their ids.
+    fn stage_three_wide_pages(store: &SledStore, key: StreamKey) -> Vec<i64> {
         let mut ids = Vec::new();
         for page in 0..3i64 {
             let page_ids: Vec<i64> = (0..50).map(|n| (n * 3 + page) * 32 + page).collect();
             let intents: Vec<_> = page_ids.iter().map(|&id| (id, intent(2))).collect();
-            store.write_intents(VOUCHERS, &intents).unwrap();
+            store.write_intents(key, &intents).unwrap();
             let commits: Vec<_> = page_ids.iter().map(|&id| (id, record(2, 0))).collect();
-            store.commit_records(VOUCHERS, &commits, &[], 0).unwrap();
+            store.commit_records(key, &commits, &[], 0).unwrap();
             ids.extend(page_ids);
         }
-        assert!(lock(&store.staged)[&VOUCHERS].writes.0.len() > 2 * SETTLE_BATCH_KEYS);
-        // What the flush writes, in order (the intents' own writes first).
-        let journal_writes = |events: &mut sled::Subscriber| {
-            let mut seen = Vec::new();
-            while let Ok(event) = events.next_timeout(Duration::from_millis(200)) {
-                seen.push(event);
-            }
-            seen
-        };
-        journal_writes(&mut events);
-        store.flush().unwrap();
-        let mut counts = Vec::new();
-        let mut last_bucket = None;
-        let mut first_journal = None;
-        for (n, event) in journal_writes(&mut events).into_iter().enumerate() {
+        ids
+    }
+
+    /// What a settle of `key` writes, in order: the record counts it writes,
+    /// the position of its last bucket write and of its first journal write.
+    fn watch_settle(store: &SledStore, key: StreamKey) -> (Vec<u64>, Option<usize>, Option<usize>) {
+        let mut events = store.catalog.watch_prefix(Vec::new());
+        store.settle(key).unwrap();
+        let (mut counts, mut last_bucket, mut first_journal) = (Vec::new(), None, None);
+        let mut n = 0;
+        while let Ok(event) = events.next_timeout(Duration::from_millis(200)) {
             match (event.key()[0], &event) {
                 (KIND_COUNT, sled::Event::Insert { value, .. }) => {
                     counts.push(u64::from_be_bytes(value[..].try_into().unwrap()))
@@ -1906,14 +1923,32 @@ mod tests {
                 }
                 _ => {}
             }
+            n += 1;
         }
+        (counts, last_bucket, first_journal)
+    }
+
+    #[test]
+    fn a_group_too_large_for_one_batch_is_written_buckets_first_each_batch_with_its_count_journal_last(
+    ) {
+        let store = store_with(NEVER);
+        // On disk first: the count entry, and a record in each of buckets
+        // 0..10, which the group then adds a second record to.
+        let first: Vec<_> = (0..10).map(|b| (b * 32 + 31, record(1, 0))).collect();
+        store.commit_records(VOUCHERS, &first, &[], 0).unwrap();
+        store.flush().unwrap();
+        let ids = stage_three_wide_pages(&store, VOUCHERS);
+        assert!(lock(&store.staged)[&VOUCHERS].writes.0.len() > 2 * NEVER.batch_keys);
+        let (counts, last_bucket, first_journal) = watch_settle(&store, VOUCHERS);
+        // Batches of 64 buckets, the last with the journal removals (which
+        // sled applies in key order, so ahead of the buckets in that batch).
         assert!(
-            last_bucket.unwrap() < first_journal.unwrap(),
-            "an intent was removed before a bucket of its group was written"
+            first_journal.unwrap() > 2 * NEVER.batch_keys,
+            "an intent was removed before the buckets of earlier batches were written"
         );
-        // Each batch of 64 buckets writes the count as of itself (the last
-        // batch writes the staged count again: sled reports no unchanged value).
-        assert_eq!(counts, vec![65, 129, 151]);
+        assert!(last_bucket.unwrap() > first_journal.unwrap());
+        // Each batch writes the count as of itself: 10 + 64, + 64, + 22.
+        assert_eq!(counts, vec![74, 138, 160]);
         assert!(intents_on_disk(&store, VOUCHERS).is_empty());
         assert!(store
             .get_records(VOUCHERS, &ids)
@@ -1925,7 +1960,41 @@ mod tests {
             .catalog
             .remove(codec::prefix(KIND_COUNT, VOUCHERS))
             .unwrap();
-        assert_eq!(store.record_count(VOUCHERS).unwrap(), 151);
+        assert_eq!(store.record_count(VOUCHERS).unwrap(), 160);
+    }
+
+    #[test]
+    fn a_stream_without_a_count_on_disk_gets_none_until_the_last_batch_of_its_group() {
+        let store = store_with(NEVER);
+        stage_three_wide_pages(&store, VOUCHERS);
+        let (counts, _, _) = watch_settle(&store, VOUCHERS);
+        assert_eq!(counts, vec![150]);
+        assert_eq!(store.record_count(VOUCHERS).unwrap(), 150);
+    }
+
+    #[test]
+    fn staged_bytes_count_each_key_once_and_its_latest_value() {
+        let write = |pairs: &[(&[u8], Option<&[u8]>)]| {
+            let mut writes = Writes::default();
+            for (k, v) in pairs {
+                match v {
+                    Some(v) => writes.insert(k, *v),
+                    None => writes.remove(k),
+                }
+            }
+            writes
+        };
+        let mut staged = Staged::new();
+        staged.add(write(&[(b"key-a", Some(&[0; 30])), (b"key-b", None)]));
+        assert_eq!(staged.bytes, 5 + 30 + 5);
+        staged.add(write(&[
+            (b"key-a", Some(&[0; 10])),
+            (b"key-c", Some(&[0; 4])),
+        ]));
+        assert_eq!(staged.bytes, 5 + 10 + 5 + 5 + 4);
+        staged.add(write(&[(b"key-a", None), (b"key-b", Some(&[0; 7]))]));
+        assert_eq!(staged.bytes, 5 + 5 + 7 + 5 + 4);
+        assert_eq!(staged.pages, 3);
     }
 
     #[test]
@@ -2233,7 +2302,9 @@ mod tests {
             ops in proptest::collection::vec(op_strategy(), 1..25)
         ) {
             use std::collections::BTreeMap;
-            let store = SledStore::open_temporary().unwrap();
+            // Groups end only on a settle, and are written two keys a batch:
+            // every kind of entry is split from its bucket somewhere.
+            let store = store_with(StageLimits { batch_keys: 2, ..NEVER });
             let mut records: BTreeMap<i64, RecordState> = BTreeMap::new();
             let mut intents: BTreeMap<i64, Intent> = BTreeMap::new();
             let mut tombstones: BTreeMap<i64, Tombstone> = BTreeMap::new();
