@@ -229,12 +229,7 @@ pub fn partition_key(stream: StreamKey, record_id: &str) -> String {
 
 /// A record id as text (what `i64::to_string` gives).
 fn id_text(id: i64) -> String {
-    let mut text = String::with_capacity(20);
-    if id < 0 {
-        text.push('-');
-    }
-    text.push_str(crate::json::decimal(id.unsigned_abs(), &mut [0; 20]));
-    text
+    crate::json::signed_decimal(id, &mut [0; 20]).to_owned()
 }
 
 /// Everything needed to build one record event.

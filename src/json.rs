@@ -131,5 +131,21 @@ pub(crate) fn decimal(mut n: u64, buf: &mut [u8; 20]) -> &str {
             break;
         }
     }
+    digits(buf, start)
+}
+
+/// `n` in decimal with its sign, written into the end of `buf` (20 bytes
+/// hold `i64::MIN`): a record id in an event, an integer in the canonical form.
+pub(crate) fn signed_decimal(n: i64, buf: &mut [u8; 20]) -> &str {
+    let start = buf.len() - decimal(n.unsigned_abs(), buf).len();
+    if n >= 0 {
+        return digits(buf, start);
+    }
+    buf[start - 1] = b'-';
+    digits(buf, start - 1)
+}
+
+/// `buf[start..]`, ASCII digits and sign written above (never fails).
+fn digits(buf: &[u8; 20], start: usize) -> &str {
     std::str::from_utf8(&buf[start..]).unwrap_or_default()
 }

@@ -890,10 +890,7 @@ pub(crate) fn plain_run_end(input: &[u8], mut pos: usize) -> usize {
 
 /// Writes an integer in decimal.
 fn write_i64(out: &mut Vec<u8>, value: i64) {
-    if value < 0 {
-        out.push(b'-');
-    }
-    out.extend_from_slice(crate::json::decimal(value.unsigned_abs(), &mut [0; 20]).as_bytes());
+    out.extend_from_slice(crate::json::signed_decimal(value, &mut [0; 20]).as_bytes());
 }
 
 /// Writes one character in canonical escaped form.

@@ -447,11 +447,7 @@ impl SledStore {
         // The count as of each batch; none while the stream has no count
         // entry on disk (a crash then leaves it missing, and it is counted).
         let mut count = match self.catalog.get(count_key).map_err(|e| self.err(e))? {
-            Some(bytes) => {
-                Some(u64::from_be_bytes(bytes[..].try_into().map_err(|_| {
-                    self.corrupt_value("record count", &count_key)
-                })?))
-            }
+            Some(bytes) => Some(self.decode_count(&count_key, &bytes)?),
             None => None,
         };
         let chunks: Vec<_> = body.chunks(self.limits.batch_keys).collect();
@@ -462,12 +458,9 @@ impl SledStore {
                     .iter()
                     .filter(|(k, _)| k.first() == Some(&KIND_RECORD))
                 {
-                    let before = self.stored_bucket_len(k)?;
-                    let after = match v {
-                        Some(v) => codec::bucket_len(v)
-                            .ok_or_else(|| self.corrupt_value("record bucket", k))?,
-                        None => 0,
-                    };
+                    let stored = self.catalog.get(k).map_err(|e| self.err(e))?;
+                    let before = self.bucket_len(k, stored.as_deref())?;
+                    let after = self.bucket_len(k, v.as_deref())?;
                     *count = (*count + u64::from(after)).saturating_sub(u64::from(before));
                 }
                 batch.insert(&count_key[..], &count.to_be_bytes()[..]);
@@ -486,14 +479,6 @@ impl SledStore {
             }
         }
         Ok(())
-    }
-
-    /// Records in the bucket stored in sled (not staged) under `k`.
-    fn stored_bucket_len(&self, k: &[u8]) -> Result<u32, StateError> {
-        match self.catalog.get(k).map_err(|e| self.err(e))? {
-            Some(v) => codec::bucket_len(&v).ok_or_else(|| self.corrupt_value("record bucket", k)),
-            None => Ok(0),
-        }
     }
 
     /// Applies one sled batch to the catalog (atomic after a crash).
@@ -743,21 +728,30 @@ impl SledStore {
     fn stored_count(&self, key: StreamKey) -> Result<u64, StateError> {
         let count_key = codec::prefix(KIND_COUNT, key);
         if let Some(bytes) = self.read(key, &count_key)? {
-            let bytes: [u8; 8] = bytes
-                .as_ref()
-                .try_into()
-                .map_err(|_| self.corrupt_value("record count", &count_key))?;
-            return Ok(u64::from_be_bytes(bytes));
+            return self.decode_count(&count_key, &bytes);
         }
         self.settle(key)?;
         let mut count = 0u64;
         for entry in self.catalog.scan_prefix(codec::prefix(KIND_RECORD, key)) {
             let (k, v) = entry.map_err(|e| self.err(e))?;
-            let len =
-                codec::bucket_len(&v).ok_or_else(|| self.corrupt_value("record bucket", &k))?;
-            count += u64::from(len);
+            count += u64::from(self.bucket_len(&k, Some(&v))?);
         }
         Ok(count)
+    }
+
+    /// The value of the record count entry `count_key`.
+    fn decode_count(&self, count_key: &[u8], bytes: &[u8]) -> Result<u64, StateError> {
+        let bytes: [u8; 8] = bytes
+            .try_into()
+            .map_err(|_| self.corrupt_value("record count", count_key))?;
+        Ok(u64::from_be_bytes(bytes))
+    }
+
+    /// Records in the encoded bucket `value` of key `k` (0 when absent).
+    fn bucket_len(&self, k: &[u8], value: Option<&[u8]>) -> Result<u32, StateError> {
+        value.map_or(Ok(0), |v| {
+            codec::bucket_len(v).ok_or_else(|| self.corrupt_value("record bucket", k))
+        })
     }
 
     /// Adds the stream's new record count to `batch` (read by [`Self::stored_count`]).
