@@ -283,6 +283,7 @@ fn canonicalize_value(
     let mut parser = Parser {
         input: input.as_bytes(),
         pos: start,
+        pending: start,
         ignore,
         scratch,
         head: RecordHead {
@@ -292,6 +293,7 @@ fn canonicalize_value(
     };
     parser.skip_ws();
     parser.value(0)?;
+    parser.flush();
     let mut head = parser.head;
     head.end = parser.pos;
     if !scratch.sorted.is_empty() {
@@ -401,13 +403,33 @@ fn emit_sorted(out: &[u8], objects: &[Object], sorted: &[Member], span: Span, de
     dest.extend_from_slice(&out[pos..span.end as usize]);
 }
 
+/// Parses one value and writes its canonical form.
+///
+/// The output is written lazily: as long as the input text is already
+/// canonical (compact, keys without escapes, plain integers), nothing is
+/// copied; the input bytes from `pending` to `pos` are owed to
+/// `scratch.out` verbatim and copied in one piece when the output first
+/// differs from the input (whitespace, an escape, a number written another
+/// way, a dropped member, an object to sort) or at the end. So at any point
+/// the canonical form so far is `scratch.out` followed by
+/// `input[pending..pos]`, and positions in it ([`Parser::out_len`]) are final.
 struct Parser<'a, 's> {
     input: &'a [u8],
     pos: usize,
+    /// Start of the input bytes owed to the output verbatim (up to `pos`).
+    pending: usize,
     ignore: &'a IgnoreKeys,
     scratch: &'s mut Scratch,
     /// The top-level members the caller reads, found on the way.
     head: RecordHead,
+}
+
+/// Where the canonical bytes of an object key are (without quotes): still
+/// in the input (a key without escapes is written as it is), or in the output.
+#[derive(Clone, Copy)]
+enum KeyAt {
+    Input(u32, u32),
+    Out(u32, u32),
 }
 
 impl Parser<'_, '_> {
@@ -423,10 +445,47 @@ impl Parser<'_, '_> {
         self.input.get(self.pos).copied()
     }
 
+    /// Length of the canonical form written so far, owed bytes included.
+    #[inline]
+    fn out_len(&self) -> usize {
+        self.scratch.out.len() + (self.pos - self.pending)
+    }
+
+    /// Copies the bytes owed to the output, so `scratch.out` holds the whole
+    /// canonical form so far.
+    #[inline]
+    fn flush(&mut self) {
+        self.flush_to(self.pos);
+    }
+
+    /// Copies the owed bytes up to `at` (at most `pos`); the input from `at`
+    /// on is not owed.
+    #[inline]
+    fn flush_to(&mut self, at: usize) {
+        if self.pending < at {
+            self.scratch
+                .out
+                .extend_from_slice(&self.input[self.pending..at]);
+        }
+        self.pending = at;
+    }
+
+    /// The canonical bytes of a key, wherever they are.
+    fn key_bytes(&self, at: KeyAt) -> &[u8] {
+        match at {
+            KeyAt::Input(start, end) => &self.input[start as usize..end as usize],
+            KeyAt::Out(start, end) => &self.scratch.out[start as usize..end as usize],
+        }
+    }
+
     #[inline]
     fn skip_ws(&mut self) {
-        while let Some(b' ' | b'\n' | b'\r' | b'\t') = self.peek() {
-            self.pos += 1;
+        if let Some(b' ' | b'\n' | b'\r' | b'\t') = self.peek() {
+            self.flush();
+            while let Some(b' ' | b'\n' | b'\r' | b'\t') = self.peek() {
+                self.pos += 1;
+            }
+            self.pending = self.pos;
         }
     }
 
@@ -434,7 +493,7 @@ impl Parser<'_, '_> {
         match self.peek() {
             Some(b'{') => self.object(depth + 1),
             Some(b'[') => self.array(depth + 1),
-            Some(b'"') => self.string(),
+            Some(b'"') => self.string().map(|_| ()),
             Some(b'-' | b'0'..=b'9') => self.number(),
             Some(b't') => self.literal(b"true"),
             Some(b'f') => self.literal(b"false"),
@@ -444,10 +503,10 @@ impl Parser<'_, '_> {
         }
     }
 
+    /// A literal is written as it is.
     fn literal(&mut self, word: &'static [u8]) -> Result<(), HashError> {
         if self.input[self.pos..].starts_with(word) {
             self.pos += word.len();
-            self.scratch.out.extend_from_slice(word);
             Ok(())
         } else {
             Err(self.error("invalid literal, expected true, false or null"))
@@ -458,12 +517,10 @@ impl Parser<'_, '_> {
         if depth > MAX_DEPTH {
             return Err(self.error("nesting deeper than 128 levels"));
         }
-        self.pos += 1; // '['
-        self.scratch.out.push(b'[');
+        self.pos += 1; // '[', written as it is
         self.skip_ws();
         if self.peek() == Some(b']') {
             self.pos += 1;
-            self.scratch.out.push(b']');
             return Ok(());
         }
         loop {
@@ -471,13 +528,9 @@ impl Parser<'_, '_> {
             self.value(depth)?;
             self.skip_ws();
             match self.peek() {
-                Some(b',') => {
-                    self.pos += 1;
-                    self.scratch.out.push(b',');
-                }
+                Some(b',') => self.pos += 1,
                 Some(b']') => {
                     self.pos += 1;
-                    self.scratch.out.push(b']');
                     return Ok(());
                 }
                 Some(_) => return Err(self.error("expected ',' or ']' in array")),
@@ -490,14 +543,12 @@ impl Parser<'_, '_> {
         if depth > MAX_DEPTH {
             return Err(self.error("nesting deeper than 128 levels"));
         }
-        self.pos += 1; // '{'
-        let object_start = self.scratch.out.len();
-        self.scratch.out.push(b'{');
+        let object_start = self.out_len();
+        self.pos += 1; // '{', written as it is
         let first_member = self.scratch.members.len();
         self.skip_ws();
         if self.peek() == Some(b'}') {
             self.pos += 1;
-            self.scratch.out.push(b'}');
             return Ok(());
         }
         let index = self.scratch.objects.len();
@@ -509,77 +560,101 @@ impl Parser<'_, '_> {
             sorted_hi: 0,
         });
         let mut sorted = true;
-        loop {
+        // Where this member's separating ',' starts (none before the first kept one).
+        let mut separator_at = self.out_len();
+        let mut last_key: Option<(u64, KeyAt)> = None;
+        let body_end = loop {
             self.skip_ws();
             if self.peek() != Some(b'"') {
                 return Err(self.error("expected a string key in object"));
             }
-            let separator_at = self.scratch.out.len();
             let objects_lo = self.scratch.objects.len();
             let sorted_at = self.scratch.sorted.len();
-            let written = self.scratch.members.len() - first_member;
-            if written > 0 {
-                self.scratch.out.push(b',');
-            }
-            let start = self.scratch.out.len();
+            let start = self.out_len();
             let key_in = self.pos;
-            self.string()?;
-            let key_end = self.scratch.out.len();
+            let verbatim = self.string()?;
+            if !verbatim {
+                // Escapes were rewritten: the key is read from the output.
+                self.flush();
+            }
+            let key_end = self.out_len();
             let key_in = key_in..self.pos;
+            let key_at = if verbatim {
+                KeyAt::Input(key_in.start as u32 + 1, key_in.end as u32 - 1)
+            } else {
+                KeyAt::Out(start as u32 + 1, key_end as u32 - 1)
+            };
             self.skip_ws();
             if self.peek() != Some(b':') {
                 return Err(self.error("expected ':' after object key"));
             }
-            self.pos += 1;
-            self.scratch.out.push(b':');
+            self.pos += 1; // ':', written as it is
             self.skip_ws();
             let value_in = self.pos;
             self.value(depth)?;
             if depth == 1 {
                 self.note_top_level(key_in, value_in..self.pos);
             }
-            let key = &self.scratch.out[start + 1..key_end - 1];
-            let member = Member {
-                start: start as u32,
-                key_end: key_end as u32,
-                end: self.scratch.out.len() as u32,
-                objects_lo: objects_lo as u32,
-                objects_hi: self.scratch.objects.len() as u32,
-                prefix: key_prefix(key),
-            };
+            let key = self.key_bytes(key_at);
+            let prefix = key_prefix(key);
             if self.ignore.contains(key) {
-                // Dropped with every object nested in its value.
+                // Dropped with its separator and every object nested in its value.
+                self.flush();
                 self.scratch.out.truncate(separator_at);
                 self.scratch.objects.truncate(objects_lo);
                 self.scratch.sorted.truncate(sorted_at);
             } else {
-                if let Some(last) = self.scratch.members[first_member..].last() {
-                    let out = &self.scratch.out;
-                    if sorted && cmp_keys(last.prefix, last.key(out), member.prefix, key).is_gt() {
+                if let Some((last_prefix, last_at)) = last_key {
+                    if sorted && cmp_keys(last_prefix, self.key_bytes(last_at), prefix, key).is_gt()
+                    {
                         sorted = false;
                     }
                 }
+                let member = Member {
+                    start: start as u32,
+                    key_end: key_end as u32,
+                    end: self.out_len() as u32,
+                    objects_lo: objects_lo as u32,
+                    objects_hi: self.scratch.objects.len() as u32,
+                    prefix,
+                };
                 self.scratch.members.push(member);
+                last_key = Some((prefix, key_at));
             }
             self.skip_ws();
             match self.peek() {
-                Some(b',') => self.pos += 1,
+                Some(b',') => {
+                    separator_at = self.out_len();
+                    if self.scratch.members.len() > first_member {
+                        self.pos += 1; // written as it is
+                    } else {
+                        // Every member so far was dropped: no separator.
+                        self.flush();
+                        self.pos += 1;
+                        self.pending = self.pos;
+                    }
+                }
                 Some(b'}') => {
-                    self.pos += 1;
-                    break;
+                    let body_end = self.out_len();
+                    self.pos += 1; // written as it is
+                    break body_end;
                 }
                 Some(_) => return Err(self.error("expected ',' or '}' in object")),
                 None => return Err(self.error("unexpected end of input inside an object")),
             }
-        }
-        let scratch = &mut *self.scratch;
+        };
         let (sorted_lo, sorted_hi) = if sorted {
             (0, 0)
         } else {
+            // The keys are compared in the output: it must hold them all.
+            self.flush();
+            let scratch = &mut *self.scratch;
             #[cfg(test)]
             if scratch.eager {
+                scratch.out.truncate(body_end);
                 scratch.reorder_in_place(object_start, first_member);
-                return self.close_object(index, first_member, (0, 0));
+                scratch.out.push(b'}');
+                return self.close_object(index, first_member, body_end, (0, 0));
             }
             let lo = scratch.sorted.len();
             sort_members(
@@ -590,7 +665,7 @@ impl Parser<'_, '_> {
             );
             (lo as u32, scratch.sorted.len() as u32)
         };
-        self.close_object(index, first_member, (sorted_lo, sorted_hi))
+        self.close_object(index, first_member, body_end, (sorted_lo, sorted_hi))
     }
 
     /// Notes a top-level member whose key (quotes included) and value are
@@ -613,44 +688,45 @@ impl Parser<'_, '_> {
         *slot = Some(value);
     }
 
-    /// Ends the object `index`, whose members start at `first_member`.
+    /// Ends the object `index`, whose members start at `first_member` and
+    /// whose `}` is at `body_end` in the output.
     fn close_object(
         &mut self,
         index: usize,
         first_member: usize,
+        body_end: usize,
         (sorted_lo, sorted_hi): (u32, u32),
     ) -> Result<(), HashError> {
         let scratch = &mut *self.scratch;
         let skip = scratch.objects.len() as u32;
         let object = &mut scratch.objects[index];
-        object.body_end = scratch.out.len() as u32;
+        object.body_end = body_end as u32;
         object.skip = skip;
         object.sorted_lo = sorted_lo;
         object.sorted_hi = sorted_hi;
         scratch.members.truncate(first_member);
-        scratch.out.push(b'}');
         Ok(())
     }
 
-    fn string(&mut self) -> Result<(), HashError> {
-        self.pos += 1; // opening quote
-        self.scratch.out.push(b'"');
+    /// Writes a string; true when its canonical form is the input text as it
+    /// is (no escapes), which is then still owed.
+    fn string(&mut self) -> Result<bool, HashError> {
+        self.pos += 1; // opening quote, written as it is
+        let mut verbatim = true;
         loop {
-            // Fast path: copy a run of bytes that need no escaping.
-            let run_start = self.pos;
+            // Bytes that need no escaping are written as they are.
             self.pos = plain_run_end(self.input, self.pos);
-            self.scratch
-                .out
-                .extend_from_slice(&self.input[run_start..self.pos]);
             match self.peek() {
                 Some(b'"') => {
                     self.pos += 1;
-                    self.scratch.out.push(b'"');
-                    return Ok(());
+                    return Ok(verbatim);
                 }
                 Some(b'\\') => {
+                    self.flush();
                     self.pos += 1;
                     self.escape()?;
+                    self.pending = self.pos;
+                    verbatim = false;
                 }
                 Some(_) => return Err(self.error("control character inside a string")),
                 None => return Err(self.error("unexpected end of input inside a string")),
@@ -808,6 +884,15 @@ impl Parser<'_, '_> {
         }
         let input = self.input;
         let int_digits = &input[int_start..int_end];
+        if self.pos == int_end && int_digits.len() <= 16 && !(negative && int_digits == b"0") {
+            // A plain integer (no fraction, no exponent, not `-0`) is
+            // canonical as written: a leading digit is never zero and at most
+            // 15 trailing zeros fit.
+            return Ok(());
+        }
+        // The number's text is not owed: its canonical form is written instead.
+        self.flush_to(number_start);
+        self.pending = self.pos;
         if frac.0 == frac.1 && exponent == 0 && int_digits.len() <= 16 {
             // Fast path for plain integers: a leading digit is never zero and
             // at most 15 trailing zeros fit, so the text is already canonical.
