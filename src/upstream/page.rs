@@ -30,9 +30,16 @@ impl RawJson {
 
     /// The JSON text.
     pub fn get(&self) -> &str {
-        // Every constructor keeps valid UTF-8 (checked with the body it came
-        // in, or a `str` already); the fallback is never taken.
-        std::str::from_utf8(&self.0).unwrap_or("null")
+        debug_assert!(std::str::from_utf8(&self.0).is_ok());
+        // SAFETY: every constructor keeps valid UTF-8: a `String`, or a slice
+        // of a body checked as UTF-8 whose ends are a JSON value's first and
+        // one-past-last bytes (ASCII delimiters, so character boundaries).
+        // Checking again on every read cost 2% of a first sync's instructions
+        // (each event reads its record's text).
+        #[allow(unsafe_code)]
+        unsafe {
+            std::str::from_utf8_unchecked(&self.0)
+        }
     }
 
     /// The JSON text as bytes.
