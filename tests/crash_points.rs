@@ -214,15 +214,17 @@ async fn delete_scenario(point: &'static str) {
         .await;
 }
 
-/// A crash in a first sync of 80 records (two pages of 50 and 30, in id
-/// order) once the second page's intents are durable while the first page's
-/// commit is still staged: every event of the first page is acknowledged and
-/// none of its hashes is on disk. Upstream then deletes records 3 and 4 of the
-/// first page; a full sweep converges: their intents survived, so their
-/// snapshots are followed by deletes (without them the snapshots would
-/// dangle), and the first page is published again with the same ids.
+/// A crash in a first sync of 450 records (nine pages, in id order) once a
+/// second group's intents are durable while the first group's commit is
+/// still staged: every event of the first group is acknowledged and none of
+/// its hashes is on disk. (A group takes at most eight pages, so nine pages
+/// make two groups however the pages arrive.) Upstream then deletes records 3
+/// and 4 of the first page; a full sweep converges: their intents survived,
+/// so their snapshots are followed by deletes (without them the snapshots
+/// would dangle), and the first group is published again with the same ids.
 async fn staged_commit_scenario(point: &'static str) {
-    let Some(world) = World::start(point).await else {
+    let pages = voucher_cdc::sweep::MAX_GROUP_PAGES + 1;
+    let Some(world) = World::with_vouchers(point, pages * 50).await else {
         return;
     };
     world.run_until_crash(&world.incremental);
@@ -232,7 +234,7 @@ async fn staged_commit_scenario(point: &'static str) {
     world.run_clean(&world.full, "restart");
     world
         .assert_converged(
-            "first sync interrupted with page 1 acknowledged and its commit staged; \
+            "first sync interrupted with its first group acknowledged and its commit staged; \
              then 3 and 4 (page 1) deleted",
         )
         .await;

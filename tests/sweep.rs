@@ -24,7 +24,7 @@ use voucher_cdc::state::{
     StreamState, Tombstone,
 };
 use voucher_cdc::stream::{Resource, StreamKey};
-use voucher_cdc::sweep::{SweepError, SweepKind, SweepSettings, Sweeper};
+use voucher_cdc::sweep::{SweepError, SweepKind, SweepReport, SweepSettings, Sweeper};
 use voucher_cdc::upstream::client::UpstreamClient;
 
 const V: Resource = Resource::Vouchers;
@@ -87,6 +87,21 @@ impl Harness {
             .await
             .expect("sweep succeeds");
         self.sink.take().iter().map(json).collect()
+    }
+
+    /// An incremental sweep of `stream` the test drives and then drops, as
+    /// a process killed in the middle of it.
+    fn droppable_sweep(
+        &self,
+        stream: StreamKey,
+    ) -> std::pin::Pin<Box<impl std::future::Future<Output = Result<SweepReport, SweepError>>>>
+    {
+        let sweeper = self.sweeper(stream);
+        Box::pin(async move {
+            sweeper
+                .run(SweepKind::Incremental, &CancellationToken::new())
+                .await
+        })
     }
 
     /// Drops and reopens the sled store, as a restarted process would.
@@ -634,10 +649,52 @@ fn assert_duplicates_share_ids(acked: &[Value]) {
     }
 }
 
+/// Drives `run` (a sweep the test will drop) until `check` holds, looking
+/// every 50 ms; the sweep must not finish first.
+async fn sweep_until<R: std::fmt::Debug>(
+    run: &mut (impl std::future::Future<Output = R> + Unpin),
+    what: &str,
+    check: impl FnMut() -> bool,
+) {
+    tokio::select! {
+        finished = run => panic!("the sweep finished before {what}: {finished:?}"),
+        _ = common::wait_until(what, Duration::from_secs(60), check) => {}
+    }
+}
+
+/// After a sweep was dropped with `acked` events acknowledged: nothing
+/// beyond them is committed; a restart (the store reopened, the sink
+/// healthy) publishes and commits everything, re-publishing under the same
+/// ids. Returns every acknowledged event.
+async fn recover_after_drop(h: &mut Harness, stream: StreamKey, acked: usize) -> Vec<Value> {
+    let mut events: Vec<Value> = h.sink.take().iter().map(json).collect();
+    assert_eq!(events.len(), acked, "acknowledged before the drop");
+    // Never a hash without an ack.
+    let committed = h.store.record_count(stream).unwrap() as usize;
+    assert!(committed <= acked, "{committed} committed, {acked} acked");
+
+    h.sink.set_mode(FaultMode::Normal);
+    h.reopen();
+    events.extend(
+        h.sweep(stream.tenant, stream.resource, SweepKind::Incremental)
+            .await,
+    );
+    let quiet = h
+        .sweep(stream.tenant, stream.resource, SweepKind::Incremental)
+        .await;
+    assert!(quiet.is_empty(), "the recovery sweep committed everything");
+    assert_nothing_lost(h, stream, &events, &[]);
+    assert_duplicates_share_ids(&events);
+    events
+}
+
 /// The upstream changes of the crash test: a create, an update, a silent
 /// update and a delete on top of a synced 120-record stream.
 async fn crash_test_setup() -> (Harness, Vec<Value>, Vec<i64>) {
-    let h = spawn_harness(1, 120, 2).await;
+    let mut h = spawn_harness(1, 120, 2).await;
+    // Page by page: every run must make the reference run's store calls,
+    // whichever pages happen to arrive together.
+    h.settings.max_group_pages = 1;
     let acked = h.sweep(1, V, SweepKind::Incremental).await;
     let ids = h.sim.record_ids(1, V);
     h.sim.create(1, V);
@@ -693,40 +750,16 @@ async fn dropping_the_sweep_at_every_publish_never_loses_a_change() {
         let mut h = spawn_harness(1, 120, 2).await;
         let stream = StreamKey::new(1, V);
         h.sink.set_mode(FaultMode::FailAfter(ack_before_hang));
-        let sweeper = h.sweeper(stream);
         // The sink keeps failing, the sweep keeps retrying: the process dies
         // once the failure was really hit (an explicit point, not a timer).
-        let mut run = Box::pin(async move {
-            sweeper
-                .run(SweepKind::Incremental, &CancellationToken::new())
-                .await
-        });
+        let mut run = h.droppable_sweep(stream);
         let sink = h.sink.clone();
-        let failing =
-            common::wait_until("the sink failed an event", Duration::from_secs(60), || {
-                sink.offered() > ack_before_hang
-            });
-        tokio::select! {
-            finished = &mut run => panic!("sweep must not finish while the sink fails: {finished:?}"),
-            _ = failing => {}
-        }
+        sweep_until(&mut run, "the sink failed an event", || {
+            sink.offered() > ack_before_hang
+        })
+        .await;
         drop(run);
-        let mut acked: Vec<Value> = h.sink.take().iter().map(json).collect();
-        assert_eq!(acked.len(), ack_before_hang);
-        // Never a hash without an ack.
-        let committed = h.store.record_count(stream).unwrap() as usize;
-        assert!(
-            committed <= ack_before_hang,
-            "{committed} committed, {ack_before_hang} acked"
-        );
-
-        h.sink.set_mode(FaultMode::Normal);
-        h.reopen();
-        acked.extend(h.sweep(1, V, SweepKind::Incremental).await);
-        let quiet = h.sweep(1, V, SweepKind::Incremental).await;
-        assert!(quiet.is_empty(), "the recovery sweep committed everything");
-        assert_nothing_lost(&h, stream, &acked, &[]);
-        assert_duplicates_share_ids(&acked);
+        let acked = recover_after_drop(&mut h, stream, ack_before_hang).await;
         // The re-published first page carries the same ids as the first attempt.
         let mut seen = HashMap::new();
         for e in &acked {
@@ -1302,4 +1335,93 @@ async fn a_first_syncs_change_history_is_measured_on_the_upstreams_clock_not_the
         "{} s of exposure, expected {expected}",
         evidence.seconds
     );
+}
+
+/// A first sync of ten pages (500 vouchers) into a sink that takes
+/// `ack_delay` to acknowledge, in groups of at most `group_pages` pages:
+/// every record is published once and committed; returns how many publishes
+/// it took.
+async fn ten_page_sync_publishes(group_pages: usize, ack_delay: Duration) -> usize {
+    let mut h = spawn_harness(1, 500, 0).await;
+    h.settings.max_group_pages = group_pages;
+    let stream = StreamKey::new(1, V);
+    h.sink.set_mode(FaultMode::SlowAck(ack_delay));
+    let report = h
+        .sweeper(stream)
+        .run(SweepKind::Incremental, &CancellationToken::new())
+        .await
+        .expect("sweep succeeds");
+    let events: Vec<Value> = h.sink.take().iter().map(json).collect();
+    assert_eq!(report.pages, 10);
+    let mut expected = h.sim.record_ids(1, V);
+    expected.sort();
+    assert_eq!(subjects(&events), expected, "one event per record");
+    assert_eq!(h.store.record_count(stream).unwrap(), 500);
+    let publishes = h.sink.publish_calls();
+    assert!(h.sweep(1, V, SweepKind::Incremental).await.is_empty());
+    publishes
+}
+
+/// While a page's publish waits 400 ms for its acks, the next pages are
+/// listed; those that arrived are journalled, published and committed
+/// together: fewer publishes than pages.
+#[tokio::test]
+async fn pages_read_ahead_while_a_page_is_published_are_published_and_committed_as_one_group() {
+    let publishes = ten_page_sync_publishes(
+        voucher_cdc::sweep::MAX_GROUP_PAGES,
+        Duration::from_millis(400),
+    )
+    .await;
+    assert!(
+        (2..10).contains(&publishes),
+        "{publishes} publishes for 10 pages: no group formed"
+    );
+}
+
+/// With groups of one page every page is published on its own: the setting
+/// is what groups pages, not the sink.
+#[tokio::test]
+async fn with_groups_of_one_page_every_page_is_published_on_its_own() {
+    assert_eq!(
+        ten_page_sync_publishes(1, Duration::from_millis(50)).await,
+        10
+    );
+}
+
+/// A sweep dropped while a group of pages is being published (the process
+/// dies): nothing of the group is committed, and the next sweep publishes
+/// every record of it again under the ids it had, and commits it.
+#[tokio::test]
+async fn a_sweep_dropped_while_a_group_is_published_loses_nothing_and_keeps_the_ids() {
+    let mut h = spawn_harness(1, 500, 0).await;
+    let stream = StreamKey::new(1, V);
+    // Every publish takes 2 s: the pages listed during the first page's
+    // publish make the next group.
+    h.sink.set_mode(FaultMode::SlowAck(Duration::from_secs(2)));
+    let mut run = h.droppable_sweep(stream);
+    let sink = h.sink.clone();
+    sweep_until(&mut run, "the first publish started", || {
+        sink.publish_calls() >= 1
+    })
+    .await;
+    let first = h.sink.offered();
+    let sink = h.sink.clone();
+    sweep_until(&mut run, "the second publish started", || {
+        sink.publish_calls() >= 2
+    })
+    .await;
+    // The group's acks, still 2 s away, become failures; its retries fail too.
+    h.sink.set_mode(FaultMode::FailAfter(0));
+    let group = h.sink.offered() - first;
+    assert!(
+        group > 50,
+        "the second publish took {group} events: one page, no group"
+    );
+    let sink = h.sink.clone();
+    sweep_until(&mut run, "the group was retried", || {
+        sink.publish_calls() >= 3
+    })
+    .await;
+    drop(run);
+    recover_after_drop(&mut h, stream, first).await;
 }

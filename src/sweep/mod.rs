@@ -14,7 +14,10 @@
 //! * a listing always ends: a repeated cursor or a page count far beyond the
 //!   records known fails the sweep without moving the watermark;
 //! * a page commits only as an [`Acked`] batch, built from one delivery per
-//!   event (the count checked), so the invariant holds by the types.
+//!   event (the count checked), so the invariant holds by the types;
+//! * the next pages are listed while a page is published (`read_ahead`),
+//!   and the pages that arrived meanwhile are taken as one group: one intent
+//!   batch, one publish, one commit, each as for a page.
 //!
 //! The stream state is the ledger's ([`StreamLedger`]): the sweep begins and
 //! finishes through it and never saves the stream state itself. What a page
@@ -23,6 +26,7 @@
 
 mod page;
 mod publish;
+mod read_ahead;
 mod versions;
 
 use std::collections::{HashMap, HashSet};
@@ -30,12 +34,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 pub use crate::state::SweepKind;
 pub use page::{dedupe, plan_page, Doomed, KnownRecords, PagePlan, PendingChange};
+pub use read_ahead::{MAX_GROUP_PAGES, READ_AHEAD_BYTES};
+
+use read_ahead::{PageGroup, ReadAhead};
 
 use crate::config::OnRecordError;
 use crate::crashpoint;
@@ -88,6 +94,12 @@ pub struct SweepSettings {
     pub changed_fields: bool,
     /// `events.before`: updates and deletes carry `before`; bodies are kept.
     pub before: bool,
+    /// Bytes of listed records read ahead of the pages being published (see
+    /// [`ReadAhead`]); at least one page is always read ahead.
+    pub read_ahead_bytes: usize,
+    /// The most consecutive pages, among those already read ahead, that one
+    /// intent batch, publish and commit take together (1: page by page).
+    pub max_group_pages: usize,
 }
 
 /// The `[poll]` defaults (one home: `crate::config`), and the sweep's own.
@@ -114,6 +126,8 @@ impl Default for SweepSettings {
             schema_base: SchemaBase::default(),
             changed_fields: DEFAULT_CHANGED_FIELDS,
             before: DEFAULT_BEFORE,
+            read_ahead_bytes: READ_AHEAD_BYTES,
+            max_group_pages: MAX_GROUP_PAGES,
         }
     }
 }
@@ -444,21 +458,45 @@ impl SweepRun<'_> {
         let pages =
             self.client
                 .list_pages_bounded(stream.tenant, stream.resource, query, max_pages);
-        futures::pin_mut!(pages);
+        let settings = &sweeper.settings;
+        let mut pages = ReadAhead::new(pages, settings.read_ahead_bytes, self.cancel.clone());
         let mut first_server_time = None;
         let mut last_server_time = None;
-        while let Some(page) = pages.next().await {
-            let page = page?;
-            first_server_time.get_or_insert(page.server_time);
-            last_server_time = Some(page.server_time);
-            self.report.pages += 1;
-            self.report.records_seen += page.records.len() as u64;
-            self.count_page(&page);
-            self.process_page(&page.records, page.server_time).await?;
-            if let Some(progress) = &sweeper.progress {
-                progress(stream, self.report.records_seen, self.report.pages);
+        while let Some(read) = pages.next().await {
+            // Every page that arrived meanwhile joins the group: one intent
+            // batch, one publish and one commit for all of them.
+            let mut group = PageGroup::default();
+            let mut failed = None;
+            let mut next = Some(read);
+            while let Some(read) = next.take() {
+                let (page, budget) = read.split();
+                let page = match page {
+                    Ok(page) => page,
+                    Err(e) => {
+                        failed = Some(e);
+                        break;
+                    }
+                };
+                first_server_time.get_or_insert(page.server_time);
+                last_server_time = Some(page.server_time);
+                self.report.pages += 1;
+                self.report.records_seen += page.records.len() as u64;
+                self.count_page(&page);
+                group.take(page, budget);
+                if group.pages < settings.max_group_pages {
+                    next = pages.ready();
+                }
             }
-            if page.next_cursor.is_some() && self.cancel.is_cancelled() {
+            if let Some(listed_at) = group.listed_at {
+                self.process_page(&group.records, listed_at).await?;
+                if let Some(progress) = &sweeper.progress {
+                    progress(stream, self.report.records_seen, self.report.pages);
+                }
+            }
+            if let Some(e) = failed {
+                return Err(e.into());
+            }
+            if group.more && self.cancel.is_cancelled() {
                 return Err(SweepError::Interrupted);
             }
         }
@@ -547,7 +585,8 @@ impl SweepRun<'_> {
         Ok(known)
     }
 
-    /// Diffs one page, publishes its changes, and commits them once
+    /// Diffs one page (or a group of consecutive pages, taken as one: see
+    /// `read_ahead`), publishes its changes, and commits them once
     /// acknowledged. `listed_at` is the upstream's clock when it listed them
     /// (its `server_time`): the record dates a first sync learns from are the
     /// upstream's, so their ages are measured on its clock, not the bridge's.

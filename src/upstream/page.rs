@@ -118,6 +118,13 @@ pub struct Page {
     pub skipped: usize,
 }
 
+impl Page {
+    /// Bytes of its records as listed: about what the page holds in memory.
+    pub fn record_bytes(&self) -> usize {
+        self.records.iter().map(|r| r.raw.as_bytes().len()).sum()
+    }
+}
+
 /// Query of one listing; the same query (with the cursor advanced) is sent for every page.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ListQuery {

@@ -1,0 +1,343 @@
+//! Reading a listing's next pages while the sweep publishes the current ones.
+//!
+//! A sweep spends most of a page's time waiting: for the intents' fsync, for
+//! the sink's acknowledgements. [`ReadAhead`] lists the following pages
+//! meanwhile, in a task of its own, and hands them over in listing order; the
+//! sweep then takes every page that has already arrived as one group
+//! ([`PageGroup`]): one intent batch, one publish, one commit for all of them,
+//! instead of an fsync pair per page. When pages come slowly (a rate-limited
+//! token), a group is the one page that arrived and nothing waits for more.
+//!
+//! Memory stays bounded: the pages read ahead and not yet processed hold at
+//! most [`ReadAhead::new`]'s byte budget of records (a page larger than the
+//! budget counts as the whole budget), plus the one page being read.
+//!
+//! A group changes nothing the sweep promises: its intents are one durable
+//! batch before its first event is published, and its hashes are committed
+//! only once every event of it is acknowledged, exactly as for one page. A
+//! crash re-publishes at most a group (up to [`MAX_GROUP_PAGES`] pages)
+//! instead of a page, under the same event ids.
+
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+use futures::{Stream, StreamExt};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::upstream::error::UpstreamError;
+use crate::upstream::page::{Page, Record};
+
+/// Bytes of listed records a sweep reads ahead of the pages it processes
+/// (and so the most a group holds): ten pages of vouchers with relations.
+pub const READ_AHEAD_BYTES: usize = 1024 * 1024;
+
+/// The most pages one group takes (`SweepSettings::max_group_pages` default):
+/// 400 records, one publish run of vouchers.
+pub const MAX_GROUP_PAGES: usize = 8;
+
+/// The budget counts in units of this many bytes (a semaphore's permits).
+const PERMIT_BYTES: usize = 1024;
+
+/// One page read ahead, with its share of the byte budget.
+pub struct ReadPage {
+    page: Result<Page, UpstreamError>,
+    budget: PageBudget,
+}
+
+impl ReadPage {
+    /// The page (or why the listing failed: the last item then) and its share
+    /// of the budget, released when dropped.
+    pub fn split(self) -> (Result<Page, UpstreamError>, PageBudget) {
+        (self.page, self.budget)
+    }
+}
+
+/// A page's share of the read-ahead budget, released on drop.
+pub struct PageBudget(#[allow(dead_code)] OwnedSemaphorePermit);
+
+/// The pages of one listing, read by a task of their own ahead of the sweep.
+/// Dropping it stops the listing (a request in flight is abandoned).
+pub struct ReadAhead {
+    pages: mpsc::UnboundedReceiver<ReadPage>,
+    task: JoinHandle<()>,
+}
+
+impl ReadAhead {
+    /// Starts listing `pages` ahead of the caller, holding at most
+    /// `budget_bytes` of records it has read and the caller has not dropped.
+    /// Once `cancel` fires no further page is requested.
+    pub fn new<S>(pages: S, budget_bytes: usize, cancel: CancellationToken) -> ReadAhead
+    where
+        S: Stream<Item = Result<Page, UpstreamError>> + Send + 'static,
+    {
+        let permits = (budget_bytes / PERMIT_BYTES).max(1);
+        let budget = Arc::new(Semaphore::new(permits));
+        let (tx, rx) = mpsc::unbounded_channel();
+        let task = tokio::spawn(async move {
+            futures::pin_mut!(pages);
+            let mut first = true;
+            loop {
+                if !first && cancel.is_cancelled() {
+                    return;
+                }
+                first = false;
+                let Some(page) = pages.next().await else {
+                    return;
+                };
+                let failed = page.is_err();
+                let bytes = page.as_ref().map(Page::record_bytes).unwrap_or(0);
+                let wanted = (bytes / PERMIT_BYTES).clamp(1, permits);
+                // Closed never: the semaphore lives as long as this task.
+                let Ok(share) = budget.clone().acquire_many_owned(wanted as u32).await else {
+                    return;
+                };
+                let read = ReadPage {
+                    page,
+                    budget: PageBudget(share),
+                };
+                if tx.send(read).is_err() || failed {
+                    return;
+                }
+            }
+        });
+        ReadAhead { pages: rx, task }
+    }
+
+    /// The next page, waiting for it; None once the listing ended.
+    pub async fn next(&mut self) -> Option<ReadPage> {
+        self.pages.recv().await
+    }
+
+    /// The next page if it has arrived already.
+    pub fn ready(&mut self) -> Option<ReadPage> {
+        self.pages.try_recv().ok()
+    }
+}
+
+impl Drop for ReadAhead {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Consecutive pages of a listing processed as one: their records in listing
+/// order (a record listed twice counts as its last version, as within a page).
+#[derive(Default)]
+pub struct PageGroup {
+    /// The records of every page, in listing order.
+    pub records: Vec<Record>,
+    /// Pages taken.
+    pub pages: usize,
+    /// `server_time` of the group's first page: the clock its records are dated on.
+    pub listed_at: Option<DateTime<Utc>>,
+    /// True when the last page taken has a next page.
+    pub more: bool,
+    budget: Vec<PageBudget>,
+}
+
+impl PageGroup {
+    /// Adds `page`'s records after those already taken; its share of the
+    /// budget is released with the group.
+    pub fn take(&mut self, page: Page, budget: PageBudget) {
+        self.pages += 1;
+        self.listed_at.get_or_insert(page.server_time);
+        self.more = page.next_cursor.is_some();
+        if self.records.is_empty() {
+            self.records = page.records;
+        } else {
+            self.records.extend(page.records);
+        }
+        self.budget.push(budget);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use crate::upstream::page::RawJson;
+
+    /// A page of `records` records of about `bytes` bytes each; the last has no next cursor.
+    fn page(first_id: i64, records: usize, bytes: usize, last: bool) -> Page {
+        let filler = "x".repeat(bytes.saturating_sub(40));
+        Page {
+            records: (0..records as i64)
+                .map(|i| {
+                    let id = first_id + i;
+                    let raw = RawJson::from_string(format!(r#"{{"id":{id},"f":"{filler}"}}"#))
+                        .expect("valid json");
+                    Record::new(id, None, raw)
+                })
+                .collect(),
+            next_cursor: (!last).then(|| format!("after-{first_id}")),
+            server_time: DateTime::from_timestamp(1_700_000_000 + first_id, 0).expect("time"),
+            skipped: 0,
+        }
+    }
+
+    /// A listing of `count` pages of 10 records of 1 KiB, counting the pages pulled.
+    fn listing(
+        count: usize,
+        pulled: Arc<AtomicUsize>,
+    ) -> impl Stream<Item = Result<Page, UpstreamError>> + Send + 'static {
+        futures::stream::iter(0..count).map(move |i| {
+            pulled.fetch_add(1, Ordering::SeqCst);
+            Ok(page(i as i64 * 10, 10, 1024, i + 1 == count))
+        })
+    }
+
+    fn ids(records: &[Record]) -> Vec<i64> {
+        records.iter().map(|r| r.id).collect()
+    }
+
+    /// Lets the read-ahead task run until it blocks.
+    async fn settle() {
+        for _ in 0..50 {
+            tokio::task::yield_now().await;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    #[tokio::test]
+    async fn pages_arrive_in_listing_order_and_the_listing_ends() {
+        let pulled = Arc::new(AtomicUsize::new(0));
+        let mut pages = ReadAhead::new(listing(5, pulled), 1 << 20, CancellationToken::new());
+        let mut seen = Vec::new();
+        while let Some(read) = pages.next().await {
+            let (page, _budget) = read.split();
+            seen.extend(ids(&page.expect("page").records));
+        }
+        assert_eq!(seen, (0..50).collect::<Vec<_>>());
+    }
+
+    #[tokio::test]
+    async fn an_upstream_error_is_the_last_item_and_nothing_is_listed_after_it() {
+        let pulled = Arc::new(AtomicUsize::new(0));
+        let counter = pulled.clone();
+        let failing = futures::stream::iter(0..10).map(move |i| {
+            counter.fetch_add(1, Ordering::SeqCst);
+            if i == 2 {
+                Err(UpstreamError::Timeout {
+                    path: "/tenants/1/catalog/vouchers".into(),
+                    after: Duration::from_secs(30),
+                })
+            } else {
+                Ok(page(i * 10, 10, 100, false))
+            }
+        });
+        let mut pages = ReadAhead::new(failing, 1 << 20, CancellationToken::new());
+        let mut items = Vec::new();
+        while let Some(read) = pages.next().await {
+            items.push(read.split().0.is_ok());
+        }
+        assert_eq!(items, vec![true, true, false]);
+        assert_eq!(
+            pulled.load(Ordering::SeqCst),
+            3,
+            "no page is listed after a failure"
+        );
+    }
+
+    #[tokio::test]
+    async fn pages_read_ahead_and_not_dropped_stay_within_the_byte_budget() {
+        let pulled = Arc::new(AtomicUsize::new(0));
+        // Pages of about 10 KiB, a budget of 30 KiB: three pages held, a fourth being read.
+        let mut pages = ReadAhead::new(
+            listing(20, pulled.clone()),
+            30 * 1024,
+            CancellationToken::new(),
+        );
+        settle().await;
+        let ahead = pulled.load(Ordering::SeqCst);
+        assert!(
+            (3..=4).contains(&ahead),
+            "{ahead} pages listed ahead for a 3-page budget"
+        );
+        // Holding pages keeps their budget taken; dropping them lets the listing go on.
+        let held: Vec<ReadPage> = std::iter::from_fn(|| pages.ready()).collect();
+        assert_eq!(held.len(), 3);
+        settle().await;
+        assert_eq!(
+            pulled.load(Ordering::SeqCst),
+            ahead,
+            "held pages still count"
+        );
+        drop(held);
+        settle().await;
+        assert!(pulled.load(Ordering::SeqCst) >= ahead + 3);
+    }
+
+    #[tokio::test]
+    async fn a_page_larger_than_the_budget_is_still_read_one_at_a_time() {
+        let pulled = Arc::new(AtomicUsize::new(0));
+        let mut pages = ReadAhead::new(listing(5, pulled.clone()), 2048, CancellationToken::new());
+        settle().await;
+        assert!(pulled.load(Ordering::SeqCst) <= 2);
+        let mut count = 0;
+        while let Some(read) = pages.next().await {
+            assert!(read.split().0.is_ok());
+            count += 1;
+        }
+        assert_eq!(count, 5);
+    }
+
+    #[tokio::test]
+    async fn once_cancelled_no_further_page_is_requested() {
+        let pulled = Arc::new(AtomicUsize::new(0));
+        let cancel = CancellationToken::new();
+        // A budget of one page: the task waits for the first page to be dropped.
+        let mut pages = ReadAhead::new(listing(10, pulled.clone()), 10 * 1024, cancel.clone());
+        let first = pages.next().await.expect("first page");
+        cancel.cancel();
+        drop(first);
+        let mut rest = 0;
+        while pages.next().await.is_some() {
+            rest += 1;
+        }
+        assert!(rest <= 1, "{rest} pages after the cancel");
+        assert!(pulled.load(Ordering::SeqCst) <= 3);
+    }
+
+    #[tokio::test]
+    async fn dropping_the_read_ahead_stops_the_listing() {
+        let pulled = Arc::new(AtomicUsize::new(0));
+        let pages = ReadAhead::new(
+            listing(1000, pulled.clone()),
+            10 * 1024,
+            CancellationToken::new(),
+        );
+        settle().await;
+        drop(pages);
+        let at_drop = pulled.load(Ordering::SeqCst);
+        settle().await;
+        assert_eq!(pulled.load(Ordering::SeqCst), at_drop);
+        assert!(at_drop < 1000);
+    }
+
+    #[test]
+    fn a_group_keeps_its_pages_records_in_listing_order_dated_by_its_first_page() {
+        let semaphore = Arc::new(Semaphore::new(10));
+        let permit = || PageBudget(semaphore.clone().try_acquire_owned().expect("permit"));
+        let mut group = PageGroup::default();
+        let first = page(0, 3, 100, false);
+        let first_time = first.server_time;
+        group.take(first, permit());
+        assert!(group.more);
+        group.take(page(3, 2, 100, true), permit());
+        assert_eq!(ids(&group.records), vec![0, 1, 2, 3, 4]);
+        assert_eq!(group.pages, 2);
+        assert_eq!(group.listed_at, Some(first_time));
+        assert!(!group.more, "the last page taken has no next page");
+        assert_eq!(semaphore.available_permits(), 8);
+        drop(group);
+        assert_eq!(
+            semaphore.available_permits(),
+            10,
+            "a group releases its pages' budget"
+        );
+    }
+}
