@@ -63,6 +63,16 @@ fn sweeper(
     sink: Arc<dyn Sink>,
     resource: Resource,
 ) -> Sweeper {
+    sweeper_builder(sim, store, sink, resource).build()
+}
+
+/// The builder of [`sweeper`], for a test that changes more settings.
+fn sweeper_builder(
+    sim: &Simulator,
+    store: Arc<dyn StateStore>,
+    sink: Arc<dyn Sink>,
+    resource: Resource,
+) -> SweeperBuilder {
     SweeperBuilder::new(sim, StreamKey::new(TENANT, resource))
         .with_store(store)
         .with_sink(sink)
@@ -70,7 +80,6 @@ fn sweeper(
             settings.sink_backoff_initial = Duration::from_millis(50);
             settings.sink_backoff_max = Duration::from_millis(500);
         })
-        .build()
 }
 
 /// The bytes the API returns for every record of `resource`, by id.
@@ -213,7 +222,10 @@ async fn a_nats_server_killed_mid_sweep_and_restarted_loses_nothing() {
         inner: sink,
         failed: failed.clone(),
     });
-    let sweeper = sweeper(&sim, store.clone(), sink, Resource::Vouchers);
+    // Page by page: a group could take the second page with the rest.
+    let sweeper = sweeper_builder(&sim, store.clone(), sink, Resource::Vouchers)
+        .configure(|settings| settings.max_group_pages = 1)
+        .build();
     // After the second committed page, the server dies; it comes back once the
     // sweep's publishes have failed against it (the outage was hit, for sure).
     let killed = Arc::new(std::sync::atomic::AtomicBool::new(false));

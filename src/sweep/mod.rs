@@ -347,9 +347,10 @@ impl Sweeper {
 
     /// Runs one sweep; records its outcome in the stream state either way.
     ///
-    /// `cancel` stops the sweep between two pages: the page in flight
-    /// finishes (acks awaited, hashes committed) and no further page is
-    /// requested; the sweep then fails with [`SweepError::Interrupted`].
+    /// `cancel` stops the sweep between two pages: the page (or group of
+    /// pages) in flight finishes (acks awaited, hashes committed), no further
+    /// page is requested or taken into a group, and the sweep fails with
+    /// [`SweepError::Interrupted`].
     pub async fn run(
         &self,
         kind: SweepKind,
@@ -462,6 +463,9 @@ impl SweepRun<'_> {
         let mut pages = ReadAhead::new(pages, settings.read_ahead_bytes, self.cancel.clone());
         let mut first_server_time = None;
         let mut last_server_time = None;
+        // True once the page without a next cursor was processed: only then
+        // did the listing end, rather than stop (cancelled).
+        let mut listed_to_the_end = false;
         while let Some(read) = pages.next().await {
             // Every page that arrived meanwhile joins the group: one intent
             // batch, one publish and one commit for all of them.
@@ -483,7 +487,7 @@ impl SweepRun<'_> {
                 self.report.records_seen += page.records.len() as u64;
                 self.count_page(&page);
                 group.take(page, budget);
-                if group.pages < settings.max_group_pages {
+                if group.pages < settings.max_group_pages && !self.cancel.is_cancelled() {
                     next = pages.ready();
                 }
             }
@@ -496,9 +500,18 @@ impl SweepRun<'_> {
             if let Some(e) = failed {
                 return Err(e.into());
             }
+            if group.listed_at.is_some() {
+                listed_to_the_end = !group.more;
+            }
             if group.more && self.cancel.is_cancelled() {
                 return Err(SweepError::Interrupted);
             }
+        }
+        if !listed_to_the_end {
+            // The listing stopped before its last page (cancelled while the
+            // next page was being read): nothing after the pages seen may
+            // count as listed (no watermark, no deletes, no replay end).
+            return Err(SweepError::Interrupted);
         }
 
         if plan.full {

@@ -27,6 +27,7 @@ use futures::{Stream, StreamExt};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::upstream::error::UpstreamError;
 use crate::upstream::page::{Page, Record};
@@ -64,6 +65,8 @@ pub struct PageBudget(#[allow(dead_code)] OwnedSemaphorePermit);
 pub struct ReadAhead {
     pages: mpsc::UnboundedReceiver<ReadPage>,
     task: JoinHandle<()>,
+    /// The task was awaited (its pages are all handed over).
+    ended: bool,
 }
 
 impl ReadAhead {
@@ -74,10 +77,10 @@ impl ReadAhead {
     where
         S: Stream<Item = Result<Page, UpstreamError>> + Send + 'static,
     {
-        let permits = (budget_bytes / PERMIT_BYTES).max(1);
+        let permits = (budget_bytes / PERMIT_BYTES).clamp(1, u32::MAX as usize);
         let budget = Arc::new(Semaphore::new(permits));
         let (tx, rx) = mpsc::unbounded_channel();
-        let task = tokio::spawn(async move {
+        let listing = async move {
             futures::pin_mut!(pages);
             let mut first = true;
             loop {
@@ -112,13 +115,34 @@ impl ReadAhead {
                     }
                 }
             }
-        });
-        ReadAhead { pages: rx, task }
+        };
+        // In the sweep's span: the client's logs keep their tenant and resource.
+        let task = tokio::spawn(listing.in_current_span());
+        ReadAhead {
+            pages: rx,
+            task,
+            ended: false,
+        }
     }
 
-    /// The next page, waiting for it; None once the listing ended.
+    /// The next page, waiting for it; None once no further page comes: the
+    /// listing ended, failed (its error was the last item) or was cancelled.
+    /// The caller tells these apart by the last page's `next_cursor`. A panic
+    /// of the listing (a bug in the client or the decoder) goes on here, in
+    /// the sweep, as it would without read-ahead.
     pub async fn next(&mut self) -> Option<ReadPage> {
-        self.pages.recv().await
+        if let Some(page) = self.pages.recv().await {
+            return Some(page);
+        }
+        if !self.ended {
+            self.ended = true;
+            if let Err(e) = (&mut self.task).await {
+                if e.is_panic() {
+                    std::panic::resume_unwind(e.into_panic());
+                }
+            }
+        }
+        None
     }
 
     /// The next page if it has arrived already.
@@ -339,6 +363,19 @@ mod tests {
         settle().await;
         assert_eq!(pulled.load(Ordering::SeqCst), at_drop);
         assert!(at_drop < 1000);
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "decoder bug")]
+    async fn a_panic_while_listing_goes_on_in_the_sweep_instead_of_ending_the_listing() {
+        let panicking = futures::stream::iter(0..3).map(|i| {
+            if i == 1 {
+                panic!("decoder bug");
+            }
+            Ok(page(i * 10, 10, 100, false))
+        });
+        let mut pages = ReadAhead::new(panicking, 1 << 20, CancellationToken::new());
+        while pages.next().await.is_some() {}
     }
 
     #[test]

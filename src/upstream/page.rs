@@ -18,7 +18,8 @@ use crate::stream::Resource;
 
 /// The text of one JSON value, byte for byte as the API sent it: a slice of
 /// the response body it came in (no copy), or text checked when built.
-/// Always valid UTF-8 JSON.
+/// Always valid UTF-8 JSON: the field stays private to this module, whose
+/// constructors keep that promise, because [`RawJson::get`] relies on it.
 #[derive(Clone, PartialEq, Eq)]
 pub struct RawJson(Bytes);
 
