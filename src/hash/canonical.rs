@@ -1179,6 +1179,50 @@ mod tests {
         assert_ne!(hash(r#"["updated_at"]"#), hash("[]"));
     }
 
+    /// Fixed outputs for the places where the lazy writer stops copying the
+    /// input as it is (frozen, not compared with another writer of this file).
+    #[test]
+    fn where_the_input_stops_being_canonical_the_output_is_fixed() {
+        let ignoring = |raw: &str| {
+            let mut out = Vec::new();
+            canonical_json(raw, &IgnoreKeys::new(["updated_at"]), &mut out).unwrap();
+            String::from_utf8(out).unwrap()
+        };
+        let cases = [
+            // Dropped members: first, consecutive, last, all, with objects inside.
+            (r#"{"updated_at":1,"a":2,"updated_at":3,"b":4}"#, r#"{"a":2,"b":4}"#),
+            (r#"{"updated_at":1,"updated_at":2,"c":3}"#, r#"{"c":3}"#),
+            (r#"{"a":1,"updated_at":{"x":[1,{"y":2}]},"b":2}"#, r#"{"a":1,"b":2}"#),
+            (r#"{"a":1,"updated_at":2}"#, r#"{"a":1}"#),
+            (r#"{"updated_at":1,"updated_at":2}"#, "{}"),
+            (r#"[{"updated_at":1},{"b":1,"updated_at":2,"a":3}]"#, r#"[{},{"a":3,"b":1}]"#),
+            // An escaped key equal to an ignored one is dropped; an escaped value is rewritten.
+            (r#"{"updated\u005fat":1,"a":"\u00e9\/"}"#, r#"{"a":"é/"}"#),
+            // Numbers: written as they are only when plain integers.
+            (
+                "[-0,-0e0,5e0,-0.0,0.5,1234567890123456,12345678901234567,1000000000000000,10000000000000000,-7]",
+                "[0,0,5,0,5e-1,1234567890123456,12345678901234567,1000000000000000,1e16,-7]",
+            ),
+            // Whitespace anywhere, and objects out of order at two levels.
+            (
+                " { \"b\" : [ 1 , { \"d\":1, \"c\":2 } ] ,\n\"a\" : true } ",
+                r#"{"a":true,"b":[1,{"c":2,"d":1}]}"#,
+            ),
+            ("[ ]", "[]"),
+            ("{ }", "{}"),
+            (r#""top \n level""#, r#""top \n level""#),
+        ];
+        for (raw, expected) in cases {
+            assert_eq!(ignoring(raw), expected, "canonical form of {raw}");
+        }
+        // At an offset, with text after the value left alone.
+        let input = r#"xx {"b":1, "a":[2,3.0]} ,tail"#;
+        let (bytes, head) =
+            with_canonical_at(input, 2, &IgnoreKeys::none(), |b| b.to_vec()).unwrap();
+        assert_eq!(bytes, br#"{"a":[2,3],"b":1}"#);
+        assert_eq!(&input[head.end..], " ,tail");
+    }
+
     #[test]
     fn dropping_the_first_member_leaves_valid_canonical_json() {
         let mut out = Vec::new();
