@@ -893,16 +893,6 @@ impl Parser<'_, '_> {
         // The number's text is not owed: its canonical form is written instead.
         self.flush_to(number_start);
         self.pending = self.pos;
-        if frac.0 == frac.1 && exponent == 0 && int_digits.len() <= 16 {
-            // Fast path for plain integers: a leading digit is never zero and
-            // at most 15 trailing zeros fit, so the text is already canonical.
-            let out = &mut self.scratch.out;
-            if negative && int_digits != b"0" {
-                out.push(b'-');
-            }
-            out.extend_from_slice(int_digits);
-            return Ok(());
-        }
         let frac_digits = &input[frac.0..frac.1];
         let digits = &mut self.scratch.digits;
         digits.clear();
