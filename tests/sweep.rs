@@ -1013,6 +1013,67 @@ async fn a_record_deleted_and_listed_again_gets_a_new_generation_and_a_new_id() 
     assert!(h.store.pending_intents(stream).unwrap().is_empty());
 }
 
+/// The cancel window of the read-ahead: the sweep checked for a cancel after
+/// its page and found none, the cancel comes, and the listing task, woken by
+/// the page's release, sees it before asking for the next page. The listing
+/// then ends without its last page: the sweep must not take it as complete
+/// (no watermark, no deletes of the records it never listed).
+#[tokio::test]
+async fn a_sweep_cancelled_after_its_check_but_before_the_next_page_is_asked_for_is_interrupted() {
+    let h = spawn_harness(1, 160, 2).await;
+    let stream = StreamKey::new(1, V);
+    h.sweep(1, V, SweepKind::Incremental).await;
+    let before = h.store.load_stream(stream).unwrap();
+    let cancel = CancellationToken::new();
+    let first_page = Arc::new(tokio::sync::Notify::new());
+    // On this single-threaded runtime the canceller, woken by the first
+    // page's progress (before the sweep's check), runs when the sweep waits
+    // for the next page: ahead of the listing task, which the page's release
+    // wakes after the check.
+    let canceller = {
+        let (cancel, first_page) = (cancel.clone(), first_page.clone());
+        tokio::spawn(async move {
+            first_page.notified().await;
+            cancel.cancel();
+        })
+    };
+    let sweeper = {
+        let first_page = first_page.clone();
+        h.builder(stream)
+            // Every page waits for the one before it to be released.
+            .configure(|settings| settings.read_ahead_bytes = 0)
+            .with_progress(Arc::new(move |_, _, pages| {
+                if pages == 1 {
+                    first_page.notify_one();
+                }
+            }))
+            .build()
+    };
+    h.sink.take();
+    h.sim.clear_request_log();
+    let err = sweeper.run(SweepKind::Full, &cancel).await.unwrap_err();
+    canceller.await.unwrap();
+    assert!(matches!(err, SweepError::Interrupted), "{err}");
+    let listed = h
+        .sim
+        .request_log()
+        .iter()
+        .filter(|e| e.path.ends_with("/catalog/vouchers"))
+        .count();
+    assert_eq!(listed, 1, "the listing asked for a page after the cancel");
+    assert!(
+        h.sink.take().is_empty(),
+        "an unchanged first page publishes nothing, and nothing is deleted"
+    );
+    let after = h.store.load_stream(stream).unwrap();
+    assert_eq!(after.watermark, before.watermark, "the watermark moved");
+    assert_eq!(
+        after.last_full_sweep_finished, before.last_full_sweep_finished,
+        "the full sweep counted as done"
+    );
+    assert_eq!(h.store.record_count(stream).unwrap(), 160);
+}
+
 #[tokio::test]
 async fn a_cursor_cycle_or_an_endless_listing_fails_the_sweep_and_keeps_the_watermark() {
     use voucher_cdc::simulator::ListingFault;
