@@ -12,14 +12,28 @@
 //! aborting, one line `voucher-cdc: crash point <name> reached (hit <n>); aborting`
 //! goes to stderr so a test can tell the point was reached. The environment
 //! variable lies outside the `VOUCHER_CDC_` prefix, which belongs to the config.
+//!
+//! The sweep's points fire at their worst moment: everything the store has
+//! accepted (staged commits included) is written and synced first, as sled's
+//! background flush may have done just before a real crash. A commit made
+//! too early is then on disk when the process dies, and the crash tests see
+//! the change it loses. For random kills, `VCDC_DURABLE_COMMITS=1` makes
+//! every commit durable before it returns, with the same effect.
 
 /// The environment variable that arms a crash point.
 pub const ENV: &str = "VCDC_CRASH_POINT";
+
+/// The environment variable that makes every commit durable before it
+/// returns (see [`durable_commits`]); ignored without crash points.
+pub const DURABLE_COMMITS_ENV: &str = "VCDC_DURABLE_COMMITS";
 
 /// Every crash point, in the order a sweep reaches them.
 pub mod names {
     /// A page's intents are written and made durable; nothing of the page was published.
     pub const AFTER_INTENTS: &str = "sweep.after-intents";
+    /// Events (a page's or a chunk of deletes') are about to be handed to the
+    /// sink; none of them is published. Nothing of theirs may be committed.
+    pub const BEFORE_PUBLISH: &str = "sweep.before-publish";
     /// Every event of a page is acknowledged by the sink; nothing of the page is committed.
     pub const AFTER_PUBLISH: &str = "sweep.after-publish";
     /// A page's hashes are committed (staged, not necessarily written to disk); the next page is not requested.
@@ -38,8 +52,9 @@ pub mod names {
     /// A chunk of deletes is committed (not necessarily flushed).
     pub const AFTER_DELETE_COMMIT: &str = "sweep.after-delete-commit";
     /// Every crash point, for tests that arm each in turn.
-    pub const ALL: [&str; 8] = [
+    pub const ALL: [&str; 9] = [
         AFTER_INTENTS,
+        BEFORE_PUBLISH,
         AFTER_PUBLISH,
         AFTER_COMMIT,
         INTENTS_BEFORE_STAGED_COMMIT,
@@ -58,24 +73,50 @@ pub const ENABLED: bool = cfg!(feature = "crash-points");
 #[inline(always)]
 pub fn hit(_name: &'static str) {}
 
-/// Reaches the crash point `name`: aborts the process when it is armed.
+/// Reaches the crash point `name` at its worst: when it is about to fire,
+/// `make_durable` runs first (the store writes and syncs everything it has
+/// accepted, as its background flush may have done just before a real
+/// crash), then the process aborts. Unarmed, `make_durable` never runs.
+#[cfg(not(feature = "crash-points"))]
+#[inline(always)]
+pub fn hit_durable(_name: &'static str, _make_durable: impl FnOnce()) {}
+
+/// True when every commit must be written and synced before it returns
+/// ([`DURABLE_COMMITS_ENV`]); always false without crash points.
+#[cfg(not(feature = "crash-points"))]
+#[inline(always)]
+pub fn durable_commits() -> bool {
+    false
+}
+
+/// The armed point and the hit that fires it, read once from [`ENV`].
 #[cfg(feature = "crash-points")]
-pub fn hit(name: &'static str) {
-    use std::sync::atomic::{AtomicU64, Ordering};
+fn armed() -> Option<&'static (String, u64)> {
     use std::sync::OnceLock;
 
     static ARMED: OnceLock<Option<(String, u64)>> = OnceLock::new();
-    static HITS: AtomicU64 = AtomicU64::new(0);
+    ARMED
+        .get_or_init(|| {
+            let value = std::env::var(ENV).ok()?;
+            let (point, nth) = match value.split_once('@') {
+                Some((point, n)) => (point.to_string(), n.parse().unwrap_or(1)),
+                None => (value, 1),
+            };
+            Some((point, nth.max(1)))
+        })
+        .as_ref()
+}
 
-    let armed = ARMED.get_or_init(|| {
-        let value = std::env::var(ENV).ok()?;
-        let (point, nth) = match value.split_once('@') {
-            Some((point, n)) => (point.to_string(), n.parse().unwrap_or(1)),
-            None => (value, 1),
-        };
-        Some((point, nth.max(1)))
-    });
-    let Some((point, nth)) = armed else {
+/// Times the armed point was reached.
+#[cfg(feature = "crash-points")]
+static HITS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Reaches the crash point `name`: aborts the process when it is armed.
+#[cfg(feature = "crash-points")]
+pub fn hit(name: &'static str) {
+    use std::sync::atomic::Ordering;
+
+    let Some((point, nth)) = armed() else {
         return;
     };
     if point != name {
@@ -86,4 +127,32 @@ pub fn hit(name: &'static str) {
         eprintln!("voucher-cdc: crash point {name} reached (hit {hits}); aborting");
         std::process::abort();
     }
+}
+
+/// Reaches the crash point `name` at its worst: when it is about to fire,
+/// `make_durable` runs first (the store writes and syncs everything it has
+/// accepted, as its background flush may have done just before a real
+/// crash), then the process aborts. Unarmed, `make_durable` never runs.
+#[cfg(feature = "crash-points")]
+pub fn hit_durable(name: &'static str, make_durable: impl FnOnce()) {
+    use std::sync::atomic::Ordering;
+
+    let fires = armed()
+        .is_some_and(|(point, nth)| point == name && HITS.load(Ordering::SeqCst) + 1 == *nth);
+    if fires {
+        make_durable();
+    }
+    hit(name);
+}
+
+/// True when every commit must be written and synced before it returns
+/// ([`DURABLE_COMMITS_ENV`] set to `1`): a kill at any moment then finds on
+/// disk every commit the store accepted, which a commit made too early turns
+/// into a loss the end-state check sees.
+#[cfg(feature = "crash-points")]
+pub fn durable_commits() -> bool {
+    use std::sync::OnceLock;
+
+    static DURABLE: OnceLock<bool> = OnceLock::new();
+    *DURABLE.get_or_init(|| std::env::var(DURABLE_COMMITS_ENV).is_ok_and(|v| v == "1"))
 }

@@ -10,7 +10,9 @@
 //! forever). At the end the changes stop, one full sweep converges, and
 //! every record ever seen must end in JetStream as it is upstream: deleted
 //! ones in `*.deleted`, existing ones with their current hash, chains of
-//! hashes intact, one change per event id.
+//! hashes intact, one change per event id. In crash-points builds every
+//! other round syncs each commit as it is made (`VCDC_DURABLE_COMMITS`), so
+//! a commit made too early is on disk when the kill lands.
 //!
 //! `KILLS` (default 10) sets the rounds, `KILL_VOUCHERS` (default 3,000) the
 //! vouchers a tenant starts with, `VCDC_KILL_SEED` the seed of the changes
@@ -165,7 +167,16 @@ async fn kill_nine_at_random_moments_loses_no_change() {
     let mut quick_kills = 0usize;
     for round in 0..kills {
         let logs = dir.path().join(format!("round-{round}"));
-        let mut daemon = DaemonProcess::spawn(&running, false, None, &logs);
+        // Every other round runs with each commit synced as it is made: a
+        // commit made before its events were acknowledged is then on disk
+        // when the kill lands in the publish, and its change is lost for
+        // the end-state check to see (staged commits hide that mistake).
+        let env: &[(&str, &str)] = if round % 2 == 1 {
+            &[(voucher_cdc::crashpoint::DURABLE_COMMITS_ENV, "1")]
+        } else {
+            &[]
+        };
+        let mut daemon = DaemonProcess::spawn_with_env(&running, false, None, env, &logs);
         let spawned = Instant::now();
         // (when, stream length) samples, to tell which events are recent at the kill.
         let mut samples: Vec<(Instant, u64)> = vec![(spawned, stream_len(&js).await)];

@@ -208,6 +208,9 @@ pub struct SledStore {
     staged: Mutex<HashMap<StreamKey, Staged>>,
     /// When staged commits are written (tests use smaller ones).
     limits: StageLimits,
+    /// Every commit is written and synced before it returns (crash tests
+    /// only: see [`crashpoint::durable_commits`]).
+    durable_commits: bool,
     /// Field shapes known to be stored, by stream and shape id (read or written).
     shapes: Mutex<HashMap<(StreamKey, u64), Shape>>,
     path: PathBuf,
@@ -278,6 +281,7 @@ impl SledStore {
             journals: Mutex::new(HashMap::new()),
             staged: Mutex::new(HashMap::new()),
             limits: STAGE_LIMITS,
+            durable_commits: crashpoint::durable_commits(),
             shapes: Mutex::new(HashMap::new()),
             path: path.to_path_buf(),
             _temp_dir: temp_dir,
@@ -1115,7 +1119,10 @@ impl StateStore for SledStore {
         self.stage(key, batch);
         journal.apply(&plan);
         self.learn_shapes(new_shapes);
-        if self.group_full(key) {
+        if self.durable_commits {
+            self.settle(key)?;
+            self.db.flush().map_err(|e| self.err(e))?;
+        } else if self.group_full(key) {
             self.settle(key)?;
         }
         Ok(())
@@ -1171,6 +1178,9 @@ impl StateStore for SledStore {
         }
         self.apply(batch)?;
         journal.apply(&plan);
+        if self.durable_commits {
+            self.db.flush().map_err(|e| self.err(e))?;
+        }
         Ok(())
     }
 }

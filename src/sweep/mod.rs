@@ -640,7 +640,7 @@ impl SweepRun<'_> {
                 .collect();
             // Durable before the first event of the page reaches the sink.
             sweeper.store.write_intents(stream, &intents)?;
-            crashpoint::hit(crashpoint::names::AFTER_INTENTS);
+            self.crash_point(crashpoint::names::AFTER_INTENTS);
 
             let detected_at = Utc::now();
             let ops: Vec<Op> = page.changes.iter().map(|c| c.change.op).collect();
@@ -662,7 +662,7 @@ impl SweepRun<'_> {
                 self.count_deliveries(&ops[chunk], &events, &acked);
                 deliveries.extend(acked);
             }
-            crashpoint::hit(crashpoint::names::AFTER_PUBLISH);
+            self.crash_point(crashpoint::names::AFTER_PUBLISH);
             self.report.announced += announced;
             let commits = page.changes.iter().map(|c| c.commit(epoch)).collect();
             Acked::page(commits, deliveries, seen, epoch)?.with_versions(versions.stored)
@@ -672,9 +672,19 @@ impl SweepRun<'_> {
         // Every event of the page is acknowledged: now, and only now, commit.
         sweeper.store.commit_page(stream, &acked)?;
         if changed {
-            crashpoint::hit(crashpoint::names::AFTER_COMMIT);
+            self.crash_point(crashpoint::names::AFTER_COMMIT);
         }
         Ok(())
+    }
+
+    /// Reaches crash point `name` at its worst moment: when it fires, every
+    /// commit the store accepted so far is on disk (see [`crashpoint`]).
+    fn crash_point(&self, name: &'static str) {
+        crashpoint::hit_durable(name, || {
+            if let Err(e) = self.sweeper.store.flush() {
+                warn!(error = %e, crash_point = name, "store not flushed before the crash point");
+            }
+        });
     }
 
     /// Counts acknowledged events by op, and dead letters. The metric is
@@ -779,7 +789,7 @@ impl SweepRun<'_> {
             let befores =
                 versions::delete_befores(&sweeper.settings, sweeper.store.as_ref(), stream, &gone)?;
             sweeper.store.write_intents(stream, &intents)?;
-            crashpoint::hit(crashpoint::names::AFTER_DELETE_INTENTS);
+            self.crash_point(crashpoint::names::AFTER_DELETE_INTENTS);
             let events: Vec<Event> = gone
                 .iter()
                 .zip(&befores)
@@ -794,12 +804,12 @@ impl SweepRun<'_> {
                 })
                 .collect::<Result<_, _>>()?;
             let deliveries = self.publish_changes(&events).await?;
-            crashpoint::hit(crashpoint::names::AFTER_DELETE_PUBLISH);
+            self.crash_point(crashpoint::names::AFTER_DELETE_PUBLISH);
             self.count_deliveries(&vec![Op::Delete; events.len()], &events, &deliveries);
             let tombstones = gone.iter().map(|d| d.tombstone()).collect();
             let acked = Acked::deletes(tombstones, &deliveries)?;
             sweeper.store.commit_deletes(stream, &acked)?;
-            crashpoint::hit(crashpoint::names::AFTER_DELETE_COMMIT);
+            self.crash_point(crashpoint::names::AFTER_DELETE_COMMIT);
         }
         Ok(())
     }

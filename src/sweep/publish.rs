@@ -15,6 +15,7 @@ use tracing::warn;
 
 use super::{SweepError, SweepRun};
 use crate::config::OnRecordError;
+use crate::crashpoint;
 use crate::event::{self, Event};
 use crate::sinks::SinkError;
 use crate::state::{DeadLetter, Delivery};
@@ -36,6 +37,7 @@ impl SweepRun<'_> {
         events: &[Event],
     ) -> Result<Vec<Delivery>, SweepError> {
         let tolerate = self.sweeper.settings.on_record_error == OnRecordError::DeadLetter;
+        self.crash_point(crashpoint::names::BEFORE_PUBLISH);
         let refused = self.publish_acks(events, tolerate).await?;
         let mut deliveries: Vec<Delivery> = vec![Delivery::Acknowledged; events.len()];
         let mut letters = Vec::new();

@@ -86,6 +86,17 @@ impl DaemonProcess {
     /// Starts `voucher-cdc run --config CONFIG [--once]`, with `crash_point`
     /// armed (`VCDC_CRASH_POINT`) when given; output goes to `LOGS.stdout/.stderr`.
     pub fn spawn(config: &Path, once: bool, crash_point: Option<&str>, logs: &Path) -> Self {
+        Self::spawn_with_env(config, once, crash_point, &[], logs)
+    }
+
+    /// [`Self::spawn`] with extra environment variables set.
+    pub fn spawn_with_env(
+        config: &Path,
+        once: bool,
+        crash_point: Option<&str>,
+        env: &[(&str, &str)],
+        logs: &Path,
+    ) -> Self {
         let stdout = logs.with_extension("stdout");
         let stderr = logs.with_extension("stderr");
         let mut command = Command::new(daemon_binary());
@@ -96,6 +107,8 @@ impl DaemonProcess {
             .env_remove("RUST_LOG")
             .env_remove("VOUCHER_CDC_CONFIG")
             .env_remove(voucher_cdc::crashpoint::ENV)
+            .env_remove(voucher_cdc::crashpoint::DURABLE_COMMITS_ENV)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(&stdout).unwrap())
             .stderr(std::fs::File::create(&stderr).unwrap());
