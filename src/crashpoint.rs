@@ -5,7 +5,8 @@
 //! disk, events acknowledged but not yet committed) only by luck; a crash
 //! point makes each of them reachable on purpose. They exist only in builds
 //! with the `crash-points` cargo feature (the test suite's); in every other
-//! build [`hit`] is an empty inline function.
+//! build [`hit`] and [`hit_durable`] are empty inline functions and
+//! [`durable_commits`] is always false.
 //!
 //! Arming: `VCDC_CRASH_POINT=<name>` aborts the process the first time the
 //! point is reached, `VCDC_CRASH_POINT=<name>@<n>` the n-th time. Just before
@@ -31,12 +32,14 @@ pub const DURABLE_COMMITS_ENV: &str = "VCDC_DURABLE_COMMITS";
 pub mod names {
     /// A page's intents are written and made durable; nothing of the page was published.
     pub const AFTER_INTENTS: &str = "sweep.after-intents";
-    /// Events (a page's or a chunk of deletes') are about to be handed to the
-    /// sink; none of them is published. Nothing of theirs may be committed.
+    /// A publish chunk of a page's events, or a chunk of deletes, is about to
+    /// be handed to the sink; none of its events is published (a page's
+    /// earlier chunks may be). Nothing of the page or chunk may be committed.
     pub const BEFORE_PUBLISH: &str = "sweep.before-publish";
     /// Every event of a page is acknowledged by the sink; nothing of the page is committed.
     pub const AFTER_PUBLISH: &str = "sweep.after-publish";
-    /// A page's hashes are committed (staged, not necessarily written to disk); the next page is not requested.
+    /// A page's hashes are committed (written and synced when the point fires,
+    /// see the module doc); the next page is not requested.
     pub const AFTER_COMMIT: &str = "sweep.after-commit";
     /// The next page's intents are durable while an earlier page's commit is
     /// still staged (not written): every event of that page is acknowledged.
@@ -49,7 +52,7 @@ pub mod names {
     pub const AFTER_DELETE_INTENTS: &str = "sweep.after-delete-intents";
     /// Every delete of a chunk is acknowledged; the deletes are not committed.
     pub const AFTER_DELETE_PUBLISH: &str = "sweep.after-delete-publish";
-    /// A chunk of deletes is committed (not necessarily flushed).
+    /// A chunk of deletes is committed (synced when the point fires).
     pub const AFTER_DELETE_COMMIT: &str = "sweep.after-delete-commit";
     /// Every crash point, for tests that arm each in turn.
     pub const ALL: [&str; 9] = [
@@ -73,13 +76,12 @@ pub const ENABLED: bool = cfg!(feature = "crash-points");
 #[inline(always)]
 pub fn hit(_name: &'static str) {}
 
-/// Reaches the crash point `name` at its worst: when it is about to fire,
-/// `make_durable` runs first (the store writes and syncs everything it has
-/// accepted, as its background flush may have done just before a real
-/// crash), then the process aborts. Unarmed, `make_durable` never runs.
+/// Reaches the crash point `name` at its worst: when it fires,
+/// `make_durable` runs first, then the process aborts (see the crash-points
+/// build's version). Unarmed, `make_durable` never runs.
 #[cfg(not(feature = "crash-points"))]
 #[inline(always)]
-pub fn hit_durable(_name: &'static str, _make_durable: impl FnOnce()) {}
+pub fn hit_durable(_name: &'static str, _make_durable: impl FnOnce() -> Result<(), String>) {}
 
 /// True when every commit must be written and synced before it returns
 /// ([`DURABLE_COMMITS_ENV`]); always false without crash points.
@@ -114,6 +116,17 @@ static HITS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0)
 /// Reaches the crash point `name`: aborts the process when it is armed.
 #[cfg(feature = "crash-points")]
 pub fn hit(name: &'static str) {
+    hit_durable(name, || Ok(()));
+}
+
+/// Reaches the crash point `name` at its worst: when it fires,
+/// `make_durable` runs first (the store writes and syncs everything it has
+/// accepted, as its background flush may have done just before a real
+/// crash), then the process aborts. Unarmed, `make_durable` never runs.
+/// When it fails the process exits with code 3 instead of aborting, so a
+/// test that waits for the crash sees that the point's moment was not made.
+#[cfg(feature = "crash-points")]
+pub fn hit_durable(name: &'static str, make_durable: impl FnOnce() -> Result<(), String>) {
     use std::sync::atomic::Ordering;
 
     let Some((point, nth)) = armed() else {
@@ -122,27 +135,17 @@ pub fn hit(name: &'static str) {
     if point != name {
         return;
     }
+    // One count decides, even when several streams reach the point at once.
     let hits = HITS.fetch_add(1, Ordering::SeqCst) + 1;
-    if hits == *nth {
-        eprintln!("voucher-cdc: crash point {name} reached (hit {hits}); aborting");
-        std::process::abort();
+    if hits != *nth {
+        return;
     }
-}
-
-/// Reaches the crash point `name` at its worst: when it is about to fire,
-/// `make_durable` runs first (the store writes and syncs everything it has
-/// accepted, as its background flush may have done just before a real
-/// crash), then the process aborts. Unarmed, `make_durable` never runs.
-#[cfg(feature = "crash-points")]
-pub fn hit_durable(name: &'static str, make_durable: impl FnOnce()) {
-    use std::sync::atomic::Ordering;
-
-    let fires = armed()
-        .is_some_and(|(point, nth)| point == name && HITS.load(Ordering::SeqCst) + 1 == *nth);
-    if fires {
-        make_durable();
+    if let Err(e) = make_durable() {
+        eprintln!("voucher-cdc: crash point {name} reached (hit {hits}) but the store could not be made durable: {e}; exiting instead");
+        std::process::exit(3);
     }
-    hit(name);
+    eprintln!("voucher-cdc: crash point {name} reached (hit {hits}); aborting");
+    std::process::abort();
 }
 
 /// True when every commit must be written and synced before it returns

@@ -7,8 +7,8 @@
 //! interrupted delete), the binary restarts without the point, converges
 //! with a full sweep, and the events stored in JetStream must end exactly
 //! as upstream is: nothing lost, every chain of hashes intact, one change
-//! per event id. Each point fires with every commit the store accepted
-//! already synced to disk (src/crashpoint.rs), so a commit made before its
+//! per event id. Each of the sweep's points fires with every commit the
+//! store accepted already synced to disk (src/crashpoint.rs), so a commit made before its
 //! events were acknowledged is a loss these tests see.
 //!
 //! Random kills find these windows rarely; a crash point finds them every
@@ -136,6 +136,41 @@ impl World {
             .expect("record exists")
     }
 
+    /// Checks that the crash came while the full sweep deleted `doomed`:
+    /// `updated`'s change went out before it, and the deletes went out only
+    /// when the point lies after their publish.
+    async fn assert_crashed_among_the_deletes(&self, doomed: &[i64], updated: i64) {
+        let js = jetstream(&self.nats.url()).await;
+        let events = read_stream(&js).await;
+        let about = |id: i64, op: &str| {
+            events.iter().any(|e| {
+                e.op() == op
+                    && e.record()
+                        .is_some_and(|(_, _, subject)| subject == id.to_string())
+            })
+        };
+        assert!(
+            about(updated, "update"),
+            "[{}@{}] the crash came before record {updated}'s update was published",
+            self.point,
+            self.hit
+        );
+        let deletes_out = matches!(
+            self.point,
+            names::AFTER_DELETE_PUBLISH | names::AFTER_DELETE_COMMIT
+        );
+        for id in doomed {
+            assert_eq!(
+                about(*id, "delete"),
+                deletes_out,
+                "[{}@{}] record {id}'s delete should {}have been published at the crash",
+                self.point,
+                self.hit,
+                if deletes_out { "" } else { "not " }
+            );
+        }
+    }
+
     /// Reads the stream back and checks the end state against upstream.
     async fn assert_converged(&self, story: &str) {
         let js = jetstream(&self.nats.url()).await;
@@ -222,6 +257,7 @@ async fn delete_story(world: World) {
     assert!(sim.update(TENANT, VOUCHERS, 20));
 
     world.run_until_crash(&world.full);
+    world.assert_crashed_among_the_deletes(&doomed, 20).await;
 
     assert!(sim.restore(TENANT, &before[0], false)); // record 10, exact
     assert!(sim.restore(TENANT, &before[1], true)); // record 11, updated_at bumped

@@ -287,6 +287,10 @@ impl SledStore {
             _temp_dir: temp_dir,
         };
         store.check_layout(marker.is_some())?;
+        if store.durable_commits {
+            tracing::warn!(path = %path.display(),
+                "every commit is written and synced as it is made (VCDC_DURABLE_COMMITS, a crash-test mode)");
+        }
         if marker.is_none() {
             write_marker(path)?;
         }

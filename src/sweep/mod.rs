@@ -681,9 +681,7 @@ impl SweepRun<'_> {
     /// commit the store accepted so far is on disk (see [`crashpoint`]).
     fn crash_point(&self, name: &'static str) {
         crashpoint::hit_durable(name, || {
-            if let Err(e) = self.sweeper.store.flush() {
-                warn!(error = %e, crash_point = name, "store not flushed before the crash point");
-            }
+            self.sweeper.store.flush().map_err(|e| e.to_string())
         });
     }
 
