@@ -100,13 +100,24 @@ fn armed() -> Option<&'static (String, u64)> {
     ARMED
         .get_or_init(|| {
             let value = std::env::var(ENV).ok()?;
-            let (point, nth) = match value.split_once('@') {
-                Some((point, n)) => (point.to_string(), n.parse().unwrap_or(1)),
-                None => (value, 1),
-            };
-            Some((point, nth.max(1)))
+            let armed = parse_armed(&value);
+            if armed.is_none() {
+                // Loud and unarmed: a test waiting for the crash fails.
+                eprintln!("voucher-cdc: {ENV}: `{value}` is not `<name>` or `<name>@<hit>` (hit 1 or more); no crash point armed");
+            }
+            armed
         })
         .as_ref()
+}
+
+/// Reads `<name>` (the first hit) or `<name>@<n>` (the n-th, 1 or more).
+#[cfg_attr(not(feature = "crash-points"), allow(dead_code))]
+fn parse_armed(value: &str) -> Option<(String, u64)> {
+    let (point, nth) = match value.split_once('@') {
+        Some((point, n)) => (point, n.parse::<u64>().ok().filter(|n| *n >= 1)?),
+        None => (value, 1),
+    };
+    (!point.is_empty()).then(|| (point.to_string(), nth))
 }
 
 /// Times the armed point was reached.
@@ -157,5 +168,38 @@ pub fn durable_commits() -> bool {
     use std::sync::OnceLock;
 
     static DURABLE: OnceLock<bool> = OnceLock::new();
-    *DURABLE.get_or_init(|| std::env::var(DURABLE_COMMITS_ENV).is_ok_and(|v| v == "1"))
+    *DURABLE.get_or_init(|| match std::env::var(DURABLE_COMMITS_ENV) {
+        Ok(value) if value == "1" => true,
+        Ok(value) => {
+            eprintln!("voucher-cdc: {DURABLE_COMMITS_ENV}: `{value}` is not `1`; commits are staged as usual");
+            false
+        }
+        Err(_) => false,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_armed;
+
+    #[test]
+    fn an_armed_point_is_a_name_with_an_optional_hit_of_one_or_more() {
+        assert_eq!(
+            parse_armed("sweep.after-intents"),
+            Some(("sweep.after-intents".into(), 1))
+        );
+        assert_eq!(
+            parse_armed("sweep.after-intents@3"),
+            Some(("sweep.after-intents".into(), 3))
+        );
+        for bad in [
+            "sweep.after-intents@",
+            "sweep.after-intents@0",
+            "sweep.after-intents@x",
+            "",
+            "@2",
+        ] {
+            assert_eq!(parse_armed(bad), None, "{bad:?}");
+        }
+    }
 }
