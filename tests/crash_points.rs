@@ -198,11 +198,6 @@ async fn page_scenario(point: &'static str) {
     let Some(world) = World::start(point).await else {
         return;
     };
-    page_story(world).await;
-}
-
-/// [`page_scenario`] in a world already started.
-async fn page_story(world: World) {
     let sim = &world.sim;
     world.run_clean(&world.incremental, "first-sync");
 

@@ -102,6 +102,13 @@ const STAGE_LIMITS: StageLimits = StageLimits {
     batch_keys: 64,
 };
 
+/// The limits of a store whose every commit is synced before it returns
+/// ([`crashpoint::durable_commits`]): a group ends at its first commit.
+const SETTLE_AT_ONCE: StageLimits = StageLimits {
+    age: Duration::ZERO,
+    ..STAGE_LIMITS
+};
+
 /// One stream's staged page commits.
 #[derive(Debug)]
 struct Staged {
@@ -208,8 +215,9 @@ pub struct SledStore {
     staged: Mutex<HashMap<StreamKey, Staged>>,
     /// When staged commits are written (tests use smaller ones).
     limits: StageLimits,
-    /// Every commit is written and synced before it returns (crash tests
-    /// only: see [`crashpoint::durable_commits`]).
+    /// Every commit is synced before it returns (crash tests only: see
+    /// [`crashpoint::durable_commits`]); its group then ends at once too
+    /// ([`SETTLE_AT_ONCE`]).
     durable_commits: bool,
     /// Field shapes known to be stored, by stream and shape id (read or written).
     shapes: Mutex<HashMap<(StreamKey, u64), Shape>>,
@@ -266,6 +274,7 @@ impl SledStore {
             });
         }
         let marker = read_marker(path)?;
+        let durable_commits = crashpoint::durable_commits();
         let db = sled::Config::new()
             .path(path)
             .cache_capacity(CACHE_CAPACITY)
@@ -280,14 +289,18 @@ impl SledStore {
             db,
             journals: Mutex::new(HashMap::new()),
             staged: Mutex::new(HashMap::new()),
-            limits: STAGE_LIMITS,
-            durable_commits: crashpoint::durable_commits(),
+            limits: if durable_commits {
+                SETTLE_AT_ONCE
+            } else {
+                STAGE_LIMITS
+            },
+            durable_commits,
             shapes: Mutex::new(HashMap::new()),
             path: path.to_path_buf(),
             _temp_dir: temp_dir,
         };
         store.check_layout(marker.is_some())?;
-        if store.durable_commits {
+        if durable_commits {
             tracing::warn!(path = %path.display(),
                 "every commit is written and synced as it is made (VCDC_DURABLE_COMMITS, a crash-test mode)");
         }
@@ -492,6 +505,15 @@ impl SledStore {
     /// Applies one sled batch to the catalog (atomic after a crash).
     fn apply_batch(&self, batch: sled::Batch) -> Result<(), StateError> {
         self.catalog.apply_batch(batch).map_err(|e| self.err(e))
+    }
+
+    /// Syncs what was written when every commit must be durable before it
+    /// returns ([`crashpoint::durable_commits`]); nothing otherwise.
+    fn sync_if_durable(&self) -> Result<(), StateError> {
+        if self.durable_commits {
+            self.db.flush().map_err(|e| self.err(e))?;
+        }
+        Ok(())
     }
 
     /// [`Self::settle`] for every stream.
@@ -1123,13 +1145,10 @@ impl StateStore for SledStore {
         self.stage(key, batch);
         journal.apply(&plan);
         self.learn_shapes(new_shapes);
-        if self.durable_commits {
-            self.settle(key)?;
-            self.db.flush().map_err(|e| self.err(e))?;
-        } else if self.group_full(key) {
+        if self.group_full(key) {
             self.settle(key)?;
         }
-        Ok(())
+        self.sync_if_durable()
     }
 
     fn unseen_records(
@@ -1182,10 +1201,7 @@ impl StateStore for SledStore {
         }
         self.apply(batch)?;
         journal.apply(&plan);
-        if self.durable_commits {
-            self.db.flush().map_err(|e| self.err(e))?;
-        }
-        Ok(())
+        self.sync_if_durable()
     }
 }
 
