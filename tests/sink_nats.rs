@@ -55,6 +55,15 @@ fn ids(events: &[Event]) -> BTreeSet<String> {
     events.iter().map(|e| e.id.clone()).collect()
 }
 
+/// The `Nats-Msg-Id` of every message the stream holds.
+async fn stored_ids(server: &NatsServer, stream: &str) -> BTreeSet<String> {
+    stored_messages(server, stream)
+        .await
+        .into_iter()
+        .map(|(_, id)| id)
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_land_on_tenant_and_type_subjects_with_msg_id_content_type_ce_headers_and_the_event_body(
 ) {
@@ -369,12 +378,140 @@ async fn a_stream_deleted_at_run_time_is_created_again_and_the_retry_lands() {
     // The sink created the stream again: the sweep's retry is acknowledged.
     let attempts = retry_until_acked(&sink, events.clone(), Duration::from_secs(10)).await;
     assert_eq!(attempts, 1, "the first retry must land");
-    assert_eq!(
-        stored_messages(&server, &config.stream)
-            .await
-            .into_iter()
-            .map(|(_, id)| id)
-            .collect::<BTreeSet<_>>(),
-        ids(&events)
+    assert_eq!(stored_ids(&server, &config.stream).await, ids(&events));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_larger_than_the_streams_max_msg_size_is_rejected_alone_and_the_rest_land() {
+    let Some(server) = spawn_nats() else { return };
+    let js = jetstream(&server).await;
+    // An operator's limit on the stream (kept when the sink updates it), far
+    // below the server's max_payload: only JetStream can refuse these.
+    js.create_stream(StreamConfig {
+        name: "VOUCHER_CDC".to_string(),
+        subjects: vec!["voucher_cdc.>".to_string()],
+        max_message_size: 6_000,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let sink = NatsSink::connect(&sink_config(&server)).await.unwrap();
+    let stream = StreamKey::new(4, Resource::Vouchers);
+    let mut events = sample_events(stream, 1, 5, Op::Update, 512);
+    let large = sample_events(stream, 100, 1, Op::Update, 20_000);
+    events.insert(2, large[0].clone());
+
+    let acks = sink.publish(&events).await;
+    for (index, ack) in acks.iter().enumerate() {
+        if index == 2 {
+            assert!(
+                matches!(ack, Err(SinkError::Rejected { reason, .. }) if reason.contains("10054")),
+                "{ack:?}"
+            );
+        } else {
+            assert!(ack.is_ok(), "event {index}: {ack:?}");
+        }
+    }
+    let mut expected = ids(&events);
+    expected.remove(&large[0].id);
+    let stored = stored_ids(&server, "VOUCHER_CDC").await;
+    assert_eq!(stored, expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_whose_ack_never_comes_fails_as_retriable_after_publish_timeout_and_only_acked_events_are_ok(
+) {
+    let Some(server) = spawn_nats() else { return };
+    let gate = NatsAckGate::start(&server).await;
+    let sink = NatsSink::connect(&NatsSinkConfig {
+        url: gate.url(),
+        ..sink_config(&server)
+    })
+    .await
+    .unwrap();
+    let events = sample_events(
+        StreamKey::new(6, Resource::Vouchers),
+        1,
+        200,
+        Op::Create,
+        256,
     );
+
+    // The server stores every event, but only 37 PubAcks reach the sink.
+    gate.hold_after(37);
+    let started = std::time::Instant::now();
+    let acks = sink.publish(&events).await;
+    let waited = started.elapsed();
+    let acked: Vec<usize> = (0..acks.len()).filter(|&i| acks[i].is_ok()).collect();
+    assert_eq!(
+        acked.len(),
+        37,
+        "only events whose PubAck arrived are acked"
+    );
+    assert!(
+        acks.iter().all(|a| match a {
+            Ok(()) => true,
+            Err(SinkError::Retriable(m)) =>
+                m.contains("no ack for `voucher_cdc.6.voucher.updated` within 1s"),
+            Err(_) => false,
+        }),
+        "{:?}",
+        acks.iter().find(|a| a.is_err())
+    );
+    assert!(
+        waited >= Duration::from_secs(1) && waited < Duration::from_secs(30),
+        "the unanswered publishes fail after publish_timeout, not earlier or never: {waited:?}"
+    );
+    assert_eq!(stream_message_count(&server, "VOUCHER_CDC").await, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_batches_sharing_a_small_in_flight_limit_all_land_without_waiting_on_each_other()
+{
+    let Some(server) = spawn_nats() else { return };
+    let sink = std::sync::Arc::new(
+        NatsSink::connect(&NatsSinkConfig {
+            max_in_flight: 4,
+            ..sink_config(&server)
+        })
+        .await
+        .unwrap(),
+    );
+    // Three batches at once, each needing more permits than the sink has:
+    // a batch holding permits must free them by reading its own acks rather
+    // than wait for the others'.
+    let batches: Vec<Vec<Event>> = (0..3)
+        .map(|tenant| {
+            sample_events(
+                StreamKey::new(10 + tenant, Resource::Vouchers),
+                1,
+                300,
+                Op::Create,
+                128,
+            )
+        })
+        .collect();
+    let publishing: Vec<_> = batches
+        .iter()
+        .cloned()
+        .map(|batch| {
+            let sink = sink.clone();
+            tokio::spawn(async move { sink.publish(&batch).await })
+        })
+        .collect();
+    let all = futures::future::join_all(publishing);
+    let results = tokio::time::timeout(Duration::from_secs(60), all)
+        .await
+        .expect("batches sharing max_in_flight must not wait on each other");
+    for result in results {
+        let acks = result.unwrap();
+        assert!(
+            acks.iter().all(Result::is_ok),
+            "{:?}",
+            acks.iter().find(|a| a.is_err())
+        );
+    }
+    let expected: BTreeSet<String> = batches.iter().flat_map(|b| ids(b)).collect();
+    let stored = stored_ids(&server, "VOUCHER_CDC").await;
+    assert_eq!(stored, expected);
 }

@@ -3,7 +3,8 @@
 //! letter's: the id with `.deadletter`, see `dedupe_id`), keeps
 //! many publishes in flight, and reports an event as acknowledged only once
 //! its PubAck arrived (a PubAck flagged duplicate is an ack too: the stream
-//! already holds the event).
+//! already holds the event). A batch reads its PubAcks on one reply
+//! subscription of its own ([`acks`]) rather than one request per event.
 //!
 //! Start-up connects (retrying unreachable servers for `connect_timeout`,
 //! then failing with the URLs named) and creates or updates the stream.
@@ -12,6 +13,7 @@
 //! deleted at run time is created again as at start, after the publish that
 //! found it missing (which fails as retriable and is retried by the sweep).
 
+pub mod acks;
 pub mod config;
 pub mod stream;
 
@@ -21,13 +23,14 @@ use std::time::{Duration, Instant};
 
 use async_nats::connection::State;
 use async_nats::header::{self, HeaderMap, HeaderName, IntoHeaderName};
-use async_nats::jetstream::context::{GetStreamErrorKind, Publish, PublishErrorKind};
+use async_nats::jetstream::context::GetStreamErrorKind;
 use async_nats::jetstream::ErrorCode;
 use async_nats::{Client, ConnectErrorKind, ConnectOptions, Event as ClientEvent, ServerAddr};
 use async_trait::async_trait;
 use futures::StreamExt;
 use tokio::sync::Semaphore;
 
+use self::acks::{read_reply, refusal, reply_index, reply_subject, Refusal, Reply, Window};
 pub use self::config::{NatsConfigError, NatsSinkConfig, NatsTlsConfig, Secret};
 use crate::event::{Event, EventType};
 use crate::sinks::binding::{nats_header, Attributes};
@@ -138,8 +141,23 @@ impl NatsSink {
         }
     }
 
-    async fn publish_one(&self, event: &Event, max_payload: usize) -> Ack {
-        let subject = subject_for(&self.subject_prefix, event);
+    /// Sends one event with `reply` as its reply subject; the PubAck comes
+    /// back on the batch's reply subscription. An error is the event's ack.
+    async fn send(
+        &self,
+        event: &Event,
+        subject: String,
+        reply: String,
+        max_payload: usize,
+    ) -> Result<(), SinkError> {
+        // Fail fast while reconnecting rather than queueing into a dead
+        // connection (the client would hold the message, and the rest of
+        // the batch behind it, until it reconnects).
+        if self.client.connection_state() != State::Connected {
+            return Err(SinkError::Retriable(format!(
+                "nats: not connected to any server, `{subject}` not published (reconnecting)"
+            )));
+        }
         let routing = routing_headers(event);
         let size = message_size(event, &routing);
         if max_payload > 0 && size > max_payload {
@@ -153,17 +171,6 @@ impl NatsSink {
                 limit: Some(max_payload as u64),
             });
         }
-        let _permit = self
-            .in_flight
-            .acquire()
-            .await
-            .map_err(|_| SinkError::Retriable("nats: sink is shutting down".to_string()))?;
-        // Fail fast while reconnecting rather than queueing into a dead connection.
-        if self.client.connection_state() != State::Connected {
-            return Err(SinkError::Retriable(format!(
-                "nats: not connected to any server, `{subject}` not published (reconnecting)"
-            )));
-        }
         // Header names made once, the attribute values moved in: no name is
         // built and no value copied per event (only `Content-Type`'s value).
         let mut headers = HeaderMap::new();
@@ -172,54 +179,210 @@ impl NatsSink {
         for (name, value) in routing {
             headers.insert(name, value);
         }
-        let message = Publish::build()
-            .payload(event.payload.clone())
-            .headers(headers);
-        let ack = self
-            .js
-            .send_publish(subject.clone(), message)
-            .await
-            .map_err(|e| self.failure(&subject, e))?;
-        // A duplicate PubAck means the stream already stores this event: acknowledged.
-        ack.await.map(drop).map_err(|e| self.failure(&subject, e))
+        let sent = self.client.publish_with_reply_and_headers(
+            subject.clone(),
+            reply,
+            headers,
+            event.payload.clone(),
+        );
+        match tokio::time::timeout(self.publish_timeout, sent).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => {
+                let message = format!("nats: publish to `{subject}` failed: {}", error_chain(&e));
+                if mentions_max_payload(&message) {
+                    Err(SinkError::Rejected {
+                        reason: message,
+                        limit: None,
+                    })
+                } else {
+                    Err(SinkError::Retriable(message))
+                }
+            }
+            Err(_) => Err(self.timed_out(&subject)),
+        }
     }
 
-    fn failure(
-        &self,
-        subject: &str,
-        error: async_nats::jetstream::context::PublishError,
-    ) -> SinkError {
-        let code = std::error::Error::source(&error)
-            .and_then(|s| s.downcast_ref::<async_nats::jetstream::Error>())
-            .map(|e| e.error_code());
-        let kind = error.kind();
-        let message = match kind {
-            PublishErrorKind::TimedOut => format!(
-                "nats: no ack for `{subject}` within {} (server unreachable or overloaded)",
-                humantime::format_duration(self.publish_timeout)
-            ),
-            PublishErrorKind::BrokenPipe => {
-                format!("nats: connection lost before the ack for `{subject}` arrived")
-            }
-            PublishErrorKind::StreamNotFound => {
+    /// The ack of an event whose PubAck did not come within `publish_timeout`.
+    fn timed_out(&self, subject: &str) -> SinkError {
+        SinkError::Retriable(format!(
+            "nats: no ack for `{subject}` within {} (server unreachable or overloaded)",
+            humantime::format_duration(self.publish_timeout)
+        ))
+    }
+
+    /// The ack of an event from JetStream's reply to its publish.
+    fn outcome(&self, subject: &str, reply: Reply) -> Ack {
+        match reply {
+            // A duplicate PubAck means the stream already stores this event: acknowledged.
+            Reply::Stored => Ok(()),
+            Reply::NoStream => {
                 self.stream_missing.store(true, Ordering::SeqCst);
-                format!(
+                Err(SinkError::Retriable(format!(
                     "nats: no stream listens on `{subject}` (stream deleted or jetstream not ready; creating it again)"
-                )
+                )))
             }
-            _ => format!("nats: publish to `{subject}` failed: {error}"),
-        };
-        let chain = error_chain(&error);
-        if is_rejected(kind, code) || mentions_max_payload(&chain) {
-            SinkError::Rejected {
-                reason: message,
-                limit: None,
+            Reply::Refused(error) => {
+                let message = format!("nats: publish to `{subject}` failed: {error}");
+                match refusal(error.error_code()) {
+                    Refusal::Rejected => Err(SinkError::Rejected {
+                        reason: message,
+                        limit: None,
+                    }),
+                    Refusal::Fatal => Err(SinkError::Fatal(message)),
+                    Refusal::Retriable => Err(SinkError::Retriable(message)),
+                }
             }
-        } else if is_fatal(kind, code) {
-            SinkError::Fatal(message)
-        } else {
-            SinkError::Retriable(message)
+            Reply::Unreadable(what) => Err(SinkError::Retriable(format!(
+                "nats: unreadable reply to the publish to `{subject}`: {what}"
+            ))),
         }
+    }
+
+    /// Publishes `events` with one reply subscription: sends while fewer than
+    /// `max_in_flight` await their PubAck (over all batches), reads replies
+    /// as they come, and fails as retriable every publish not answered within
+    /// `publish_timeout` of being sent. Only a PubAck read for an event makes
+    /// its ack `Ok`.
+    async fn publish_batch(&self, events: &[Event], max_payload: usize) -> Vec<Ack> {
+        let unanswered = || {
+            Err(SinkError::Retriable(
+                "nats: publish not acknowledged".to_string(),
+            ))
+        };
+        let mut acks: Vec<Ack> = events.iter().map(|_| unanswered()).collect();
+        if self.client.connection_state() != State::Connected {
+            // Not even the subscription could be made: every send would fail fast.
+            for ack in &mut acks {
+                *ack = Err(SinkError::Retriable(
+                    "nats: not connected to any server, not published (reconnecting)".to_string(),
+                ));
+            }
+            return acks;
+        }
+        let inbox = self.client.new_inbox();
+        let mut replies = match self.client.subscribe(format!("{inbox}.*")).await {
+            Ok(replies) => replies,
+            Err(e) => {
+                let message = format!("nats: cannot subscribe to the publish replies: {e}");
+                for ack in &mut acks {
+                    *ack = Err(SinkError::Retriable(message.clone()));
+                }
+                return acks;
+            }
+        };
+        let subjects: Vec<String> = events
+            .iter()
+            .map(|event| subject_for(&self.subject_prefix, event))
+            .collect();
+        let mut permits = HeldPermits {
+            semaphore: &self.in_flight,
+            held: 0,
+        };
+        let mut window = Window::new(events.len());
+        let mut next = 0;
+        loop {
+            while let (Some(event), Some(subject)) = (events.get(next), subjects.get(next)) {
+                // Without a permit, wait for this batch's own replies (each
+                // frees one) rather than for other batches' permits, which
+                // could be waiting for ours.
+                let may_wait = window.outstanding() == 0;
+                if !permits.take_one(may_wait).await {
+                    if may_wait {
+                        // The semaphore closed: nothing more is sent.
+                        return acks;
+                    }
+                    break;
+                }
+                let index = next;
+                next += 1;
+                let reply = reply_subject(&inbox, index);
+                match self.send(event, subject.clone(), reply, max_payload).await {
+                    Ok(()) => window.sent(index, Instant::now()),
+                    Err(e) => {
+                        acks[index] = Err(e);
+                        permits.release(1);
+                    }
+                }
+            }
+            let Some(deadline) = window.deadline(self.publish_timeout) else {
+                if next >= events.len() {
+                    break;
+                }
+                continue;
+            };
+            match tokio::time::timeout_at(deadline.into(), replies.next()).await {
+                Ok(Some(message)) => {
+                    let Some(index) = reply_index(&inbox, message.subject.as_str()) else {
+                        continue;
+                    };
+                    if window.settle(index) {
+                        permits.release(1);
+                        let subject = subjects.get(index).map_or("", String::as_str);
+                        acks[index] =
+                            self.outcome(subject, read_reply(message.status, &message.payload));
+                    }
+                }
+                Ok(None) => {
+                    // The client closed: no reply will come, and nothing
+                    // more can be sent.
+                    for index in window.drain() {
+                        permits.release(1);
+                        acks[index] = Err(SinkError::Retriable(format!(
+                            "nats: connection closed before the ack for `{}` arrived",
+                            subjects.get(index).map_or("", String::as_str)
+                        )));
+                    }
+                    break;
+                }
+                Err(_) => {
+                    for index in window.expire(Instant::now(), self.publish_timeout) {
+                        permits.release(1);
+                        acks[index] =
+                            Err(self.timed_out(subjects.get(index).map_or("", String::as_str)));
+                    }
+                }
+            }
+        }
+        acks
+    }
+}
+
+/// Permits of the sink's `max_in_flight` semaphore taken by one batch, given
+/// back as its publishes are answered, and all of them when the batch ends
+/// or is dropped.
+struct HeldPermits<'a> {
+    semaphore: &'a Semaphore,
+    held: usize,
+}
+
+impl HeldPermits<'_> {
+    /// Takes one permit; waits for one only when `may_wait`. False when none
+    /// is free (or the semaphore closed).
+    async fn take_one(&mut self, may_wait: bool) -> bool {
+        let permit = match self.semaphore.try_acquire() {
+            Ok(permit) => permit,
+            Err(_) if may_wait => match self.semaphore.acquire().await {
+                Ok(permit) => permit,
+                Err(_) => return false,
+            },
+            Err(_) => return false,
+        };
+        permit.forget();
+        self.held += 1;
+        true
+    }
+
+    /// Gives `count` permits back.
+    fn release(&mut self, count: usize) {
+        let count = count.min(self.held);
+        self.held -= count;
+        self.semaphore.add_permits(count);
+    }
+}
+
+impl Drop for HeldPermits<'_> {
+    fn drop(&mut self) {
+        self.semaphore.add_permits(self.held);
     }
 }
 
@@ -230,12 +393,6 @@ pub fn subject_for(subject_prefix: &str, event: &Event) -> String {
         event.stream.tenant,
         event.ty.as_str()
     )
-}
-
-/// True when the stream refuses this one message and would refuse it again
-/// (larger than the stream's `max_msg_size`): a per-record failure.
-pub fn is_rejected(kind: PublishErrorKind, code: Option<ErrorCode>) -> bool {
-    kind == PublishErrorKind::Other && code == Some(ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM)
 }
 
 /// True when an error text says the message exceeded the payload limit
@@ -274,19 +431,6 @@ pub fn is_certificate_failure(text: &str) -> bool {
         || text.contains("received fatal alert")
 }
 
-/// True when retrying the same publish cannot succeed, for any event.
-///
-/// Only the optimistic-concurrency failures this sink never asks for are
-/// fatal (a message too large is [`is_rejected`]); timeouts, lost
-/// connections, a missing stream and full or unavailable storage clear up on
-/// their own or by operator action, so the sweep waits and retries them.
-pub fn is_fatal(kind: PublishErrorKind, _code: Option<ErrorCode>) -> bool {
-    matches!(
-        kind,
-        PublishErrorKind::WrongLastMessageId | PublishErrorKind::WrongLastSequence
-    )
-}
-
 #[async_trait]
 impl Sink for NatsSink {
     fn name(&self) -> &str {
@@ -295,20 +439,7 @@ impl Sink for NatsSink {
 
     async fn publish(&self, events: &[Event]) -> Vec<Ack> {
         let max_payload = self.client.server_info().max_payload;
-        let mut acks: Vec<Ack> = vec![Ok(()); events.len()];
-        // Built up front (they start only when polled) to keep the stream's item type simple.
-        let publishes: Vec<_> = events
-            .iter()
-            .enumerate()
-            .map(
-                |(index, event)| async move { (index, self.publish_one(event, max_payload).await) },
-            )
-            .collect();
-        let mut outcomes = futures::stream::iter(publishes).buffer_unordered(self.max_in_flight);
-        while let Some((index, outcome)) = outcomes.next().await {
-            acks[index] = outcome;
-        }
-        drop(outcomes);
+        let acks = self.publish_batch(events, max_payload).await;
         if self.stream_missing.load(Ordering::SeqCst) {
             self.recreate_stream().await;
         }
@@ -671,15 +802,7 @@ mod tests {
     }
 
     #[test]
-    fn a_message_too_large_is_rejected_alone_and_transport_trouble_is_retriable() {
-        assert!(is_rejected(
-            PublishErrorKind::Other,
-            Some(ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM)
-        ));
-        assert!(!is_fatal(
-            PublishErrorKind::Other,
-            Some(ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM)
-        ));
+    fn an_error_text_about_the_payload_limit_is_told_apart() {
         assert!(mentions_max_payload(
             "nats: -ERR 'Maximum Payload Exceeded'"
         ));
@@ -687,22 +810,5 @@ mod tests {
             "publish failed: max payload size exceeded"
         ));
         assert!(!mentions_max_payload("broken pipe"));
-        assert!(is_fatal(PublishErrorKind::WrongLastSequence, None));
-        for kind in [
-            PublishErrorKind::TimedOut,
-            PublishErrorKind::BrokenPipe,
-            PublishErrorKind::StreamNotFound,
-        ] {
-            assert!(!is_fatal(kind, None), "{kind:?}");
-        }
-        for code in [
-            ErrorCode::STREAM_STORE_FAILED,
-            ErrorCode::STORAGE_RESOURCES_EXCEEDED,
-            ErrorCode::CLUSTER_NOT_AVAILABLE,
-            ErrorCode::INSUFFICIENT_RESOURCES,
-        ] {
-            assert!(!is_fatal(PublishErrorKind::Other, Some(code)));
-            assert!(!is_rejected(PublishErrorKind::Other, Some(code)));
-        }
     }
 }
