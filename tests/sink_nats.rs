@@ -395,7 +395,13 @@ async fn an_event_larger_than_the_streams_max_msg_size_is_rejected_alone_and_the
     })
     .await
     .unwrap();
-    let sink = NatsSink::connect(&sink_config(&server)).await.unwrap();
+    // Not a test of timeouts: a slow machine's late PubAck must not fail it.
+    let sink = NatsSink::connect(&NatsSinkConfig {
+        publish_timeout: Duration::from_secs(30),
+        ..sink_config(&server)
+    })
+    .await
+    .unwrap();
     let stream = StreamKey::new(4, Resource::Vouchers);
     let mut events = sample_events(stream, 1, 5, Op::Update, 512);
     let large = sample_events(stream, 100, 1, Op::Update, 20_000);
@@ -472,6 +478,7 @@ async fn concurrent_batches_sharing_a_small_in_flight_limit_all_land_without_wai
     let sink = std::sync::Arc::new(
         NatsSink::connect(&NatsSinkConfig {
             max_in_flight: 4,
+            publish_timeout: Duration::from_secs(30),
             ..sink_config(&server)
         })
         .await

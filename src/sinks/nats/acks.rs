@@ -9,11 +9,13 @@
 //! batch pays one subscription, and an event a reply subject, a slot in
 //! [`Window`] and a plain parse ([`read_reply`]).
 
-use std::time::{Duration, Instant};
+use std::borrow::Cow;
+use std::time::Duration;
 
 use async_nats::jetstream::{self, ErrorCode};
 use async_nats::StatusCode;
 use serde::Deserialize;
+use tokio::time::Instant;
 
 /// What JetStream answered to one publish.
 #[derive(Debug, Clone, PartialEq)]
@@ -30,15 +32,18 @@ pub enum Reply {
 
 /// The body of a PubAck reply: `{"stream":..,"seq":..}` or `{"error":{..}}`.
 #[derive(Deserialize)]
-struct ReplyBody {
+struct ReplyBody<'a> {
     #[serde(default)]
     error: Option<jetstream::Error>,
+    #[serde(default, borrow)]
+    stream: Option<Cow<'a, str>>,
     #[serde(default)]
     seq: Option<u64>,
 }
 
-/// Reads a reply to a JetStream publish from its status and body.
-pub fn read_reply(status: Option<StatusCode>, payload: &[u8]) -> Reply {
+/// Reads a reply to a JetStream publish from its status and body; only a
+/// PubAck of `stream` (with a sequence) is [`Reply::Stored`].
+pub fn read_reply(status: Option<StatusCode>, payload: &[u8], stream: &str) -> Reply {
     if status == Some(StatusCode::NO_RESPONDERS) {
         return Reply::NoStream;
     }
@@ -46,8 +51,20 @@ pub fn read_reply(status: Option<StatusCode>, payload: &[u8]) -> Reply {
         Ok(ReplyBody {
             error: Some(error), ..
         }) => Reply::Refused(error),
-        Ok(ReplyBody { seq: Some(_), .. }) => Reply::Stored,
-        Ok(_) => Reply::Unreadable("a reply with neither `seq` nor `error`".to_string()),
+        Ok(ReplyBody {
+            stream: Some(stored_in),
+            seq: Some(_),
+            ..
+        }) => {
+            if stored_in == stream {
+                Reply::Stored
+            } else {
+                Reply::Unreadable(format!(
+                    "a pub ack of stream `{stored_in}`, not of `{stream}`"
+                ))
+            }
+        }
+        Ok(_) => Reply::Unreadable("a reply without `stream` and `seq`, or `error`".to_string()),
         Err(e) => Reply::Unreadable(match status {
             Some(status) => format!("status {status} and a body that is not a pub ack ({e})"),
             None => format!("not a pub ack: {e}"),
@@ -223,13 +240,14 @@ mod tests {
     #[test]
     fn a_pub_ack_is_stored_whether_or_not_it_is_a_duplicate() {
         assert_eq!(
-            read_reply(None, br#"{"stream":"V","seq":7}"#),
+            read_reply(None, br#"{"stream":"V","seq":7}"#, "V"),
             Reply::Stored
         );
         assert_eq!(
             read_reply(
                 None,
-                br#"{"stream":"V","seq":7,"duplicate":true,"domain":"x"}"#
+                br#"{"stream":"V","seq":7,"duplicate":true,"domain":"x"}"#,
+                "V"
             ),
             Reply::Stored
         );
@@ -239,11 +257,11 @@ mod tests {
     fn an_api_error_is_a_refusal_with_its_code_and_no_responders_is_a_missing_stream() {
         let body = br#"{"error":{"code":400,"err_code":10054,"description":"message size exceeds maximum allowed"}}"#;
         assert_eq!(
-            read_reply(None, body),
+            read_reply(None, body, "V"),
             Reply::Refused(error(10054, "message size exceeds maximum allowed"))
         );
         assert_eq!(
-            read_reply(Some(StatusCode::NO_RESPONDERS), b""),
+            read_reply(Some(StatusCode::NO_RESPONDERS), b"", "V"),
             Reply::NoStream
         );
     }
@@ -255,16 +273,18 @@ mod tests {
             b"not json",
             b"{}",
             br#"{"stream":"V"}"#,
-            br#"{"seq":"seven"}"#,
+            br#"{"seq":7}"#,
+            br#"{"stream":"V","seq":"seven"}"#,
+            br#"{"stream":"OTHER","seq":7}"#,
             b"[1]",
         ] {
             assert!(
-                matches!(read_reply(None, body), Reply::Unreadable(_)),
+                matches!(read_reply(None, body, "V"), Reply::Unreadable(_)),
                 "{:?}",
                 String::from_utf8_lossy(body)
             );
         }
-        match read_reply(Some(StatusCode::from_u16(408).unwrap()), b"") {
+        match read_reply(Some(StatusCode::from_u16(408).unwrap()), b"", "V") {
             Reply::Unreadable(what) => assert!(what.contains("408"), "{what}"),
             other => panic!("{other:?}"),
         }
@@ -367,5 +387,47 @@ mod tests {
         assert_eq!(window.drain(), vec![5]);
         assert_eq!(window.outstanding(), 0);
         assert_eq!(window.deadline(timeout), None);
+    }
+
+    #[test]
+    fn events_that_failed_to_send_leave_gaps_the_window_steps_over() {
+        let t0 = Instant::now();
+        let timeout = Duration::from_secs(10);
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut window = Window::new(8);
+        // 1, 3 and 4 failed to send: never in the window.
+        window.sent(0, at(0));
+        window.sent(2, at(1));
+        window.sent(5, at(2));
+        window.sent(6, at(3));
+        assert!(!window.settle(1));
+        assert!(window.settle(0));
+        assert_eq!(
+            window.deadline(timeout),
+            Some(at(11)),
+            "1 is a gap, 2 is next"
+        );
+        assert_eq!(window.expire(at(11), timeout), vec![2]);
+        assert_eq!(window.deadline(timeout), Some(at(12)), "3 and 4 are gaps");
+        assert_eq!(window.drain(), vec![5, 6]);
+        assert_eq!(window.outstanding(), 0);
+        assert!(!window.settle(5), "drained events are out of the window");
+    }
+
+    #[test]
+    fn a_window_emptied_by_expiry_counts_the_next_send_from_its_own_time() {
+        let t0 = Instant::now();
+        let timeout = Duration::from_secs(10);
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut window = Window::new(4);
+        window.sent(0, at(0));
+        window.sent(1, at(0));
+        assert_eq!(window.expire(at(10), timeout), vec![0, 1]);
+        assert_eq!(window.deadline(timeout), None);
+        window.sent(3, at(12));
+        assert_eq!(window.outstanding(), 1);
+        assert_eq!(window.deadline(timeout), Some(at(22)));
+        assert_eq!(window.expire(at(21), timeout), Vec::<usize>::new());
+        assert_eq!(window.expire(at(22), timeout), vec![3]);
     }
 }

@@ -19,7 +19,7 @@ pub mod stream;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant as StdInstant};
 
 use async_nats::connection::State;
 use async_nats::header::{self, HeaderMap, HeaderName, IntoHeaderName};
@@ -29,6 +29,7 @@ use async_nats::{Client, ConnectErrorKind, ConnectOptions, Event as ClientEvent,
 use async_trait::async_trait;
 use futures::StreamExt;
 use tokio::sync::Semaphore;
+use tokio::time::Instant;
 
 use self::acks::{read_reply, refusal, reply_index, reply_subject, Refusal, Reply, Window};
 pub use self::config::{NatsConfigError, NatsSinkConfig, NatsTlsConfig, Secret};
@@ -45,6 +46,9 @@ pub const CONTENT_TYPE: &str = "application/cloudevents+json";
 
 /// The header [`CONTENT_TYPE`] travels in.
 static CONTENT_TYPE_HEADER: HeaderName = HeaderName::from_static("Content-Type");
+
+/// async-nats's own default capacity of a subscription's channel.
+const DEFAULT_SUBSCRIPTION_CAPACITY: usize = 64 * 1024;
 
 /// Bytes the two headers add to a message besides the event id, for the size check.
 const HEADER_OVERHEAD: usize = 128;
@@ -149,27 +153,27 @@ impl NatsSink {
         subject: String,
         reply: String,
         max_payload: usize,
-    ) -> Result<(), SinkError> {
+    ) -> Result<(), SendFailure> {
         // Fail fast while reconnecting rather than queueing into a dead
         // connection (the client would hold the message, and the rest of
         // the batch behind it, until it reconnects).
         if self.client.connection_state() != State::Connected {
-            return Err(SinkError::Retriable(format!(
+            return Err(SendFailure::Failed(SinkError::Retriable(format!(
                 "nats: not connected to any server, `{subject}` not published (reconnecting)"
-            )));
+            ))));
         }
         let routing = routing_headers(event);
         let size = message_size(event, &routing);
         if max_payload > 0 && size > max_payload {
             // Known from the server's INFO: no round trip for an event that cannot fit.
-            return Err(SinkError::Rejected {
+            return Err(SendFailure::Failed(SinkError::Rejected {
                 reason: format!(
                     "nats: event {} for `{subject}` is {} bytes, more than the server's max_payload of {max_payload}",
                     event.id,
                     event.payload.len()
                 ),
                 limit: Some(max_payload as u64),
-            });
+            }));
         }
         // Header names made once, the attribute values moved in: no name is
         // built and no value copied per event (only `Content-Type`'s value).
@@ -187,18 +191,15 @@ impl NatsSink {
         );
         match tokio::time::timeout(self.publish_timeout, sent).await {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => {
-                let message = format!("nats: publish to `{subject}` failed: {}", error_chain(&e));
-                if mentions_max_payload(&message) {
-                    Err(SinkError::Rejected {
-                        reason: message,
-                        limit: None,
-                    })
-                } else {
-                    Err(SinkError::Retriable(message))
-                }
-            }
-            Err(_) => Err(self.timed_out(&subject)),
+            // Only a closed client fails a send (the size was checked above).
+            Ok(Err(e)) => Err(SendFailure::Failed(SinkError::Retriable(format!(
+                "nats: publish to `{subject}` failed: {}",
+                error_chain(&e)
+            )))),
+            Err(_) => Err(SendFailure::Stalled(SinkError::Retriable(format!(
+                "nats: `{subject}` could not be handed to the client within {} (connection stalled)",
+                humantime::format_duration(self.publish_timeout)
+            )))),
         }
     }
 
@@ -260,10 +261,17 @@ impl NatsSink {
             return acks;
         }
         let inbox = self.client.new_inbox();
-        let mut replies = match self.client.subscribe(format!("{inbox}.*")).await {
-            Ok(replies) => replies,
-            Err(e) => {
-                let message = format!("nats: cannot subscribe to the publish replies: {e}");
+        let subscribe = self.client.subscribe(format!("{inbox}.*"));
+        let mut replies = match tokio::time::timeout(self.publish_timeout, subscribe).await {
+            Ok(Ok(replies)) => replies,
+            failed => {
+                let message = match failed {
+                    Ok(Err(e)) => format!("nats: cannot subscribe to the publish replies: {e}"),
+                    _ => format!(
+                        "nats: cannot subscribe to the publish replies within {} (connection stalled)",
+                        humantime::format_duration(self.publish_timeout)
+                    ),
+                };
                 for ack in &mut acks {
                     *ack = Err(SinkError::Retriable(message.clone()));
                 }
@@ -280,6 +288,7 @@ impl NatsSink {
         };
         let mut window = Window::new(events.len());
         let mut next = 0;
+        let mut stalled: Option<SinkError> = None;
         loop {
             while let (Some(event), Some(subject)) = (events.get(next), subjects.get(next)) {
                 // Without a permit, wait for this batch's own replies (each
@@ -295,22 +304,35 @@ impl NatsSink {
                 }
                 let index = next;
                 next += 1;
+                if let Some(stalled) = &stalled {
+                    // One send already waited publish_timeout for the
+                    // client: the rest would each wait as long.
+                    acks[index] = Err(stalled.clone());
+                    permits.release(1);
+                    continue;
+                }
                 let reply = reply_subject(&inbox, index);
                 match self.send(event, subject.clone(), reply, max_payload).await {
                     Ok(()) => window.sent(index, Instant::now()),
-                    Err(e) => {
+                    Err(SendFailure::Failed(e)) => {
+                        acks[index] = Err(e);
+                        permits.release(1);
+                    }
+                    Err(SendFailure::Stalled(e)) => {
+                        stalled = Some(e.clone());
                         acks[index] = Err(e);
                         permits.release(1);
                     }
                 }
             }
             let Some(deadline) = window.deadline(self.publish_timeout) else {
+                // Nothing awaits a reply: done, or the next send waits for a permit.
                 if next >= events.len() {
                     break;
                 }
                 continue;
             };
-            match tokio::time::timeout_at(deadline.into(), replies.next()).await {
+            match tokio::time::timeout_at(deadline, replies.next()).await {
                 Ok(Some(message)) => {
                     let Some(index) = reply_index(&inbox, message.subject.as_str()) else {
                         continue;
@@ -318,8 +340,10 @@ impl NatsSink {
                     if window.settle(index) {
                         permits.release(1);
                         let subject = subjects.get(index).map_or("", String::as_str);
-                        acks[index] =
-                            self.outcome(subject, read_reply(message.status, &message.payload));
+                        acks[index] = self.outcome(
+                            subject,
+                            read_reply(message.status, &message.payload, &self.config.stream),
+                        );
                     }
                 }
                 Ok(None) => {
@@ -345,6 +369,15 @@ impl NatsSink {
         }
         acks
     }
+}
+
+/// Why an event was not sent.
+enum SendFailure {
+    /// This event failed; the next may be sent.
+    Failed(SinkError),
+    /// The client took no message within `publish_timeout`: the rest of the
+    /// batch would wait as long, each.
+    Stalled(SinkError),
 }
 
 /// Permits of the sink's `max_in_flight` semaphore taken by one batch, given
@@ -393,13 +426,6 @@ pub fn subject_for(subject_prefix: &str, event: &Event) -> String {
         event.stream.tenant,
         event.ty.as_str()
     )
-}
-
-/// True when an error text says the message exceeded the payload limit
-/// (`maximum payload exceeded`, the client's `max payload size exceeded`).
-pub fn mentions_max_payload(text: &str) -> bool {
-    let text = text.to_ascii_lowercase();
-    text.contains("maximum payload") || text.contains("max payload")
 }
 
 /// An error and its sources as one line. A source that only repeats what
@@ -509,7 +535,7 @@ async fn connect_with_retry(config: &NatsSinkConfig) -> Result<Client, NatsSinkE
         .map(|u| u.parse::<ServerAddr>())
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| connect_error(format!("invalid server URL: {e}")))?;
-    let deadline = Instant::now() + config.connect_timeout;
+    let deadline = StdInstant::now() + config.connect_timeout;
     let mut delay = Duration::from_millis(250);
     loop {
         let options = connect_options(config).map_err(connect_error)?;
@@ -531,7 +557,7 @@ async fn connect_with_retry(config: &NatsSinkConfig) -> Result<Client, NatsSinkE
         if !retriable {
             return Err(connect_error(text));
         }
-        if Instant::now() + delay > deadline {
+        if StdInstant::now() + delay > deadline {
             return Err(connect_error(format!(
                 "{error} (gave up after connect_timeout {})",
                 humantime::format_duration(config.connect_timeout)
@@ -549,6 +575,9 @@ fn connect_options(config: &NatsSinkConfig) -> Result<ConnectOptions, String> {
         .name("voucher-cdc")
         .connection_timeout(config.connect_timeout.min(Duration::from_secs(10)))
         .max_reconnects(None::<usize>)
+        // A batch's reply subscription must hold every PubAck it awaits
+        // (at most max_in_flight), or the client drops the rest.
+        .subscription_capacity(config.max_in_flight.max(DEFAULT_SUBSCRIPTION_CAPACITY))
         .event_callback(|event| async move {
             match event {
                 ClientEvent::Connected => {
@@ -799,16 +828,5 @@ mod tests {
             "IO error: Connection refused (os error 111)"
         ));
         assert!(!is_certificate_failure("timed out"));
-    }
-
-    #[test]
-    fn an_error_text_about_the_payload_limit_is_told_apart() {
-        assert!(mentions_max_payload(
-            "nats: -ERR 'Maximum Payload Exceeded'"
-        ));
-        assert!(mentions_max_payload(
-            "publish failed: max payload size exceeded"
-        ));
-        assert!(!mentions_max_payload("broken pipe"));
     }
 }
