@@ -25,7 +25,9 @@ use async_nats::connection::State;
 use async_nats::header::{self, HeaderMap, HeaderName, IntoHeaderName};
 use async_nats::jetstream::context::GetStreamErrorKind;
 use async_nats::jetstream::ErrorCode;
-use async_nats::{Client, ConnectErrorKind, ConnectOptions, Event as ClientEvent, ServerAddr};
+use async_nats::{
+    Client, ConnectErrorKind, ConnectOptions, Event as ClientEvent, ServerAddr, Subject,
+};
 use async_trait::async_trait;
 use futures::StreamExt;
 use tokio::sync::Semaphore;
@@ -150,10 +152,11 @@ impl NatsSink {
     async fn send(
         &self,
         event: &Event,
-        subject: String,
         reply: String,
         max_payload: usize,
     ) -> Result<(), SendFailure> {
+        // Shared bytes: the publish and any error text use the one copy.
+        let subject = Subject::from(subject_for(&self.subject_prefix, event));
         // Fail fast while reconnecting rather than queueing into a dead
         // connection (the client would hold the message, and the rest of
         // the batch behind it, until it reconnects).
@@ -245,52 +248,45 @@ impl NatsSink {
     /// `publish_timeout` of being sent. Only a PubAck read for an event makes
     /// its ack `Ok`.
     async fn publish_batch(&self, events: &[Event], max_payload: usize) -> Vec<Ack> {
-        let unanswered = || {
-            Err(SinkError::Retriable(
-                "nats: publish not acknowledged".to_string(),
-            ))
-        };
-        let mut acks: Vec<Ack> = events.iter().map(|_| unanswered()).collect();
+        let every = |message: String| vec![Err(SinkError::Retriable(message)); events.len()];
         if self.client.connection_state() != State::Connected {
             // Not even the subscription could be made: every send would fail fast.
-            for ack in &mut acks {
-                *ack = Err(SinkError::Retriable(
-                    "nats: not connected to any server, not published (reconnecting)".to_string(),
-                ));
-            }
-            return acks;
+            return every(
+                "nats: not connected to any server, not published (reconnecting)".to_string(),
+            );
         }
         let inbox = self.client.new_inbox();
         let subscribe = self.client.subscribe(format!("{inbox}.*"));
         let mut replies = match tokio::time::timeout(self.publish_timeout, subscribe).await {
             Ok(Ok(replies)) => replies,
-            failed => {
-                let message = match failed {
-                    Ok(Err(e)) => format!("nats: cannot subscribe to the publish replies: {e}"),
-                    _ => format!(
-                        "nats: cannot subscribe to the publish replies within {} (connection stalled)",
-                        humantime::format_duration(self.publish_timeout)
-                    ),
-                };
-                for ack in &mut acks {
-                    *ack = Err(SinkError::Retriable(message.clone()));
-                }
-                return acks;
+            Ok(Err(e)) => {
+                return every(format!(
+                    "nats: cannot subscribe to the publish replies: {e}"
+                ))
+            }
+            Err(_) => {
+                return every(format!(
+                    "nats: cannot subscribe to the publish replies within {} (connection stalled)",
+                    humantime::format_duration(self.publish_timeout)
+                ))
             }
         };
-        let subjects: Vec<String> = events
-            .iter()
-            .map(|event| subject_for(&self.subject_prefix, event))
-            .collect();
+        let mut acks = every("nats: publish not acknowledged".to_string());
+        // Only for the text of a failure: not built per event.
+        let subject_of = |index: usize| {
+            events
+                .get(index)
+                .map(|event| subject_for(&self.subject_prefix, event))
+                .unwrap_or_default()
+        };
         let mut permits = HeldPermits {
             semaphore: &self.in_flight,
             held: 0,
         };
         let mut window = Window::new(events.len());
         let mut next = 0;
-        let mut stalled: Option<SinkError> = None;
         loop {
-            while let (Some(event), Some(subject)) = (events.get(next), subjects.get(next)) {
+            while let Some(event) = events.get(next) {
                 // Without a permit, wait for this batch's own replies (each
                 // frees one) rather than for other batches' permits, which
                 // could be waiting for ours.
@@ -304,23 +300,20 @@ impl NatsSink {
                 }
                 let index = next;
                 next += 1;
-                if let Some(stalled) = &stalled {
-                    // One send already waited publish_timeout for the
-                    // client: the rest would each wait as long.
-                    acks[index] = Err(stalled.clone());
-                    permits.release(1);
-                    continue;
-                }
                 let reply = reply_subject(&inbox, index);
-                match self.send(event, subject.clone(), reply, max_payload).await {
+                match self.send(event, reply, max_payload).await {
                     Ok(()) => window.sent(index, Instant::now()),
                     Err(SendFailure::Failed(e)) => {
                         acks[index] = Err(e);
                         permits.release(1);
                     }
                     Err(SendFailure::Stalled(e)) => {
-                        stalled = Some(e.clone());
-                        acks[index] = Err(e);
+                        // The client waited publish_timeout for this one:
+                        // the rest would each wait as long. None is sent.
+                        for ack in &mut acks[index..] {
+                            *ack = Err(e.clone());
+                        }
+                        next = events.len();
                         permits.release(1);
                     }
                 }
@@ -339,11 +332,13 @@ impl NatsSink {
                     };
                     if window.settle(index) {
                         permits.release(1);
-                        let subject = subjects.get(index).map_or("", String::as_str);
-                        acks[index] = self.outcome(
-                            subject,
-                            read_reply(message.status, &message.payload, &self.config.stream),
-                        );
+                        acks[index] =
+                            match read_reply(message.status, &message.payload, &self.config.stream)
+                            {
+                                Reply::Stored => Ok(()),
+                                // The subject is made only for a failure's text.
+                                failed => self.outcome(&subject_of(index), failed),
+                            };
                     }
                 }
                 Ok(None) => {
@@ -353,7 +348,7 @@ impl NatsSink {
                         permits.release(1);
                         acks[index] = Err(SinkError::Retriable(format!(
                             "nats: connection closed before the ack for `{}` arrived",
-                            subjects.get(index).map_or("", String::as_str)
+                            subject_of(index)
                         )));
                     }
                     break;
@@ -361,8 +356,7 @@ impl NatsSink {
                 Err(_) => {
                     for index in window.expire(Instant::now(), self.publish_timeout) {
                         permits.release(1);
-                        acks[index] =
-                            Err(self.timed_out(subjects.get(index).map_or("", String::as_str)));
+                        acks[index] = Err(self.timed_out(&subject_of(index)));
                     }
                 }
             }
