@@ -69,9 +69,15 @@ impl UpstreamClient {
 }
 
 /// Makes a listing end: remembers every cursor followed and counts pages.
+///
+/// A cursor is remembered as the 128-bit blake3 digest of its text, 16 bytes
+/// in place instead of a heap copy of a string of any length: a first sync of
+/// a million records follows 20,000 cursors, whose copies took 2 MB. Two
+/// different cursors share a digest with odds of about 2^-128 per pair, far
+/// below any failure of the machine the listing runs on.
 #[derive(Debug, Clone)]
 pub struct ListingGuard {
-    followed: std::collections::HashSet<String>,
+    followed: std::collections::HashSet<[u8; 16]>,
     pages: u64,
     max_pages: u64,
 }
@@ -100,7 +106,8 @@ impl ListingGuard {
                 self.max_pages
             ));
         }
-        if !self.followed.insert(cursor.to_string()) {
+        let digest = crate::hash::truncated(&blake3::hash(cursor.as_bytes()));
+        if !self.followed.insert(digest) {
             return Err(format!(
                 "next_cursor {:?} repeats a cursor this listing already followed (a cursor cycle)",
                 cursor.chars().take(40).collect::<String>()
@@ -143,6 +150,17 @@ mod tests {
         let err = guard.follow("3").unwrap_err();
         assert!(err.contains("page limit of 3"), "{err}");
         assert_eq!(guard.pages(), 3);
+    }
+
+    #[test]
+    fn long_cursors_that_differ_only_in_their_last_byte_are_told_apart_and_each_repeat_is_caught() {
+        let base = "c".repeat(4096);
+        let (first, second) = (format!("{base}1"), format!("{base}2"));
+        let mut guard = ListingGuard::new(100);
+        assert_eq!(guard.follow(&first), Ok(()));
+        assert_eq!(guard.follow(&second), Ok(()));
+        assert!(guard.follow(&second).unwrap_err().contains("cursor cycle"));
+        assert!(guard.follow(&first).unwrap_err().contains("cursor cycle"));
     }
 
     #[test]
