@@ -16,14 +16,16 @@ use crate::{
 #[cfg(any(test, feature = "lock_free_delays"))]
 const MAX_QUEUE_ITEMS: usize = 4;
 
+// voucher-cdc: 8 (was 64) and 8 shards (was 256) below, so that the
+// capacity bounds a tree of a few thousand pages; see PATCHES.md, item 3.
 #[cfg(not(any(test, feature = "lock_free_delays")))]
-const MAX_QUEUE_ITEMS: usize = 64;
+const MAX_QUEUE_ITEMS: usize = 8;
 
 #[cfg(any(test, feature = "lock_free_delays"))]
 const N_SHARDS: usize = 2;
 
 #[cfg(not(any(test, feature = "lock_free_delays")))]
-const N_SHARDS: usize = 256;
+const N_SHARDS: usize = 8;
 
 struct AccessBlock {
     len: AtomicUsize,
