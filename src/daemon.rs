@@ -273,7 +273,10 @@ impl Components {
             warn!("this shard owns none of the configured tenants; nothing to sweep");
         }
         let clients = clients_for(config, &streams)?;
-        let store: Arc<dyn StateStore> = Arc::new(SledStore::open(&config.state.path)?);
+        let store: Arc<dyn StateStore> = Arc::new(SledStore::open_with_cache(
+            &config.state.path,
+            config.state.cache_bytes(),
+        )?);
         let sink = match sink {
             Some(sink) => sink,
             None => {

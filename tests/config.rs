@@ -49,6 +49,8 @@ fn a_minimal_config_gets_every_documented_default() {
     assert_eq!(cfg.poll.ignore_keys, vec!["updated_at".to_string()]);
     assert_eq!(cfg.poll.max_delete_fraction, 0.5);
     assert_eq!(cfg.state.path.to_str(), Some("./data/state"));
+    assert_eq!(cfg.state.cache_capacity_mib, 16);
+    assert_eq!(cfg.state.cache_bytes(), 16 << 20);
     assert_eq!(cfg.sink.kind(), SinkKind::Nats);
     assert_eq!(
         cfg.admin.listen,
@@ -91,6 +93,11 @@ fn broken_configs() -> Vec<(&'static str, String, &'static str)> {
             "delete fraction out of range",
             base("[poll]\nmax_delete_fraction = 1.5\n"),
             "poll.max_delete_fraction: must be between 0 and 1, got 1.5",
+        ),
+        (
+            "no store cache",
+            base("[state]\ncache_capacity_mib = 0\n"),
+            "state.cache_capacity_mib: must be between 1 and 65536, got 0",
         ),
         (
             "full resync shorter than the interval",

@@ -478,16 +478,37 @@ pub struct StateConfig {
     /// Directory of the sled store.
     #[serde(default = "default_state_path")]
     pub path: PathBuf,
+    /// MiB of store nodes kept in memory (sled's page cache); the rest is read
+    /// back from disk when used. Bounds most of the memory that grows with
+    /// the number of records known.
+    #[serde(default = "default_cache_capacity_mib")]
+    pub cache_capacity_mib: u64,
 }
 
 fn default_state_path() -> PathBuf {
     PathBuf::from("./data/state")
 }
 
+/// Default of `state.cache_capacity_mib`: the store's built-in cache.
+fn default_cache_capacity_mib() -> u64 {
+    crate::state::CACHE_CAPACITY >> 20
+}
+
+/// Largest `state.cache_capacity_mib` accepted (64 GiB).
+const MAX_CACHE_CAPACITY_MIB: u64 = 65_536;
+
+impl StateConfig {
+    /// `cache_capacity_mib` in bytes.
+    pub fn cache_bytes(&self) -> u64 {
+        self.cache_capacity_mib << 20
+    }
+}
+
 impl Default for StateConfig {
     fn default() -> Self {
         Self {
             path: default_state_path(),
+            cache_capacity_mib: default_cache_capacity_mib(),
         }
     }
 }
@@ -910,10 +931,19 @@ impl PollConfig {
 }
 
 impl StateConfig {
-    /// `[state]`: a path is given.
+    /// `[state]`: a path is given and the cache size is in range.
     fn check(&self, problems: &mut Problems) {
         if self.path.as_os_str().is_empty() {
             problems.bad("state.path", "must not be empty");
+        }
+        if !(1..=MAX_CACHE_CAPACITY_MIB).contains(&self.cache_capacity_mib) {
+            problems.bad(
+                "state.cache_capacity_mib",
+                format!(
+                    "must be between 1 and {MAX_CACHE_CAPACITY_MIB}, got {}",
+                    self.cache_capacity_mib
+                ),
+            );
         }
     }
 }

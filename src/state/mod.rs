@@ -24,7 +24,7 @@ use crate::stream::StreamKey;
 
 pub use acked::{Acked, DeleteCommit, Delivery, NotAcknowledged, PageCommit};
 pub use ledger::{StreamLedger, SweepKind, SweepPlan};
-pub use sled_store::{SledStore, StreamDump, LAYOUT_MARKER, LAYOUT_VERSION};
+pub use sled_store::{SledStore, StreamDump, CACHE_CAPACITY, LAYOUT_MARKER, LAYOUT_VERSION};
 
 /// A scheduled or running replay of one stream.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

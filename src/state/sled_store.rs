@@ -58,10 +58,11 @@ const META_CREATED_BY: &[u8] = b"created_by";
 /// File beside sled's own files naming the layout, readable before sled opens.
 pub const LAYOUT_MARKER: &str = "voucher-cdc-layout";
 
-/// Sled's page cache (approximate: sled accounts serialized page sizes). 16 MiB
-/// holds the hot buckets of ~500k records; misses are served by the OS page
-/// cache. See docs/state.md for the RSS figures.
-const CACHE_CAPACITY: u64 = 16 * 1024 * 1024;
+/// Sled's page cache when `state.cache_capacity_mib` is not set (approximate:
+/// sled accounts serialized page sizes). 16 MiB holds the hot buckets of
+/// ~500k records; misses are served by the OS page cache. See docs/state.md
+/// for the RSS figures.
+pub const CACHE_CAPACITY: u64 = 16 * 1024 * 1024;
 /// How often sled flushes in the background (a crash loses at most this much
 /// committed state, which the invariant turns into duplicates, never loss).
 const FLUSH_EVERY_MS: u64 = 500;
@@ -245,9 +246,16 @@ impl std::fmt::Debug for SledStore {
 }
 
 impl SledStore {
-    /// Opens (or creates) the store in directory `path`.
+    /// Opens (or creates) the store in directory `path`, with the default page cache.
     pub fn open(path: &Path) -> Result<SledStore, StateError> {
-        Self::open_with(path, None)
+        Self::open_with(path, None, CACHE_CAPACITY)
+    }
+
+    /// Opens (or creates) the store in directory `path` with a page cache of
+    /// `cache_bytes` (`state.cache_capacity_mib`): the memory the store's
+    /// nodes may take before sled evicts them and reads them back on use.
+    pub fn open_with_cache(path: &Path, cache_bytes: u64) -> Result<SledStore, StateError> {
+        Self::open_with(path, None, cache_bytes)
     }
 
     /// Opens a fresh store in a temporary directory removed on drop (tests, `demo`).
@@ -260,10 +268,14 @@ impl SledStore {
                 source,
             })?;
         let path = dir.path().join("state");
-        Self::open_with(&path, Some(dir))
+        Self::open_with(&path, Some(dir), CACHE_CAPACITY)
     }
 
-    fn open_with(path: &Path, temp_dir: Option<TempDir>) -> Result<SledStore, StateError> {
+    fn open_with(
+        path: &Path,
+        temp_dir: Option<TempDir>,
+        cache_bytes: u64,
+    ) -> Result<SledStore, StateError> {
         if path.is_file() {
             return Err(StateError::Io {
                 path: path.to_path_buf(),
@@ -277,7 +289,7 @@ impl SledStore {
         let durable_commits = crashpoint::durable_commits();
         let db = sled::Config::new()
             .path(path)
-            .cache_capacity(CACHE_CAPACITY)
+            .cache_capacity(cache_bytes)
             .flush_every_ms(Some(FLUSH_EVERY_MS))
             .open()
             .map_err(|e| map_sled_error(path, e))?;
