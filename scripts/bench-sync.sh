@@ -107,16 +107,18 @@ RUN_DIR="$(mktemp -d -t voucher-cdc-bench-sync.XXXXXX)"
 install_cleanup
 
 # Waits until something accepts TCP connections on 127.0.0.1:PORT.
+# Waits until PORT accepts connections (the simulator listens only once its
+# catalog is built: half a minute for a million records on a loaded machine).
 wait_port() {
   local port="$1" pid="$2" what="$3"
-  for _ in $(seq 1 600); do
+  for _ in $(seq 1 3000); do
     if python3 -c "import socket,sys; socket.create_connection(('127.0.0.1', $port), 0.2)" 2>/dev/null; then
       return 0
     fi
     kill -0 "$pid" 2>/dev/null || { echo "error: $what exited at start" >&2; return 1; }
     sleep 0.1
   done
-  echo "error: $what does not listen after 60 s" >&2
+  echo "error: $what does not listen after 300 s" >&2
   return 1
 }
 

@@ -394,6 +394,23 @@ pub struct RequestLogEntry {
     pub token_fingerprint: Option<String>,
 }
 
+/// Connections the simulator's listener queues before accepting them.
+const LISTEN_BACKLOG: u32 = 1024;
+
+/// A TCP socket bound to `addr` (with address reuse, as
+/// `TcpListener::bind` sets it), not yet listening.
+fn bind_socket(addr: SocketAddr) -> std::io::Result<tokio::net::TcpSocket> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    #[cfg(unix)]
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    Ok(socket)
+}
+
 /// A running simulator; dropping it without [`Simulator::shutdown`] stops it too.
 pub struct Simulator {
     state: Arc<state::SimState>,
@@ -432,10 +449,13 @@ impl Simulator {
         let change_log = open(&opts.change_log)?;
         let request_log = open(&opts.request_log)?;
         let acceptor = opts.tls.as_ref().map(TlsIdentity::acceptor).transpose()?;
-        let listener = tokio::net::TcpListener::bind(opts.listen)
-            .await
+        // Bound now, so a taken address fails at once, but listening only
+        // once the catalog is built: until then a client is refused (and
+        // retries) instead of connecting and waiting, for half a minute with
+        // a million records, for an answer its timeout may not allow.
+        let socket = bind_socket(opts.listen)
             .with_context(|| format!("binding simulator listener on {}", opts.listen))?;
-        let addr = listener
+        let addr = socket
             .local_addr()
             .context("reading simulator listen address")?;
         let mut state = state::SimState::new(&opts);
@@ -457,6 +477,9 @@ impl Simulator {
             );
         }
         let state = Arc::new(state);
+        let listener = socket
+            .listen(LISTEN_BACKLOG)
+            .with_context(|| format!("listening on {addr}"))?;
         let cancel = CancellationToken::new();
         let tls = acceptor.is_some();
         let server = tokio::spawn(http::serve(
