@@ -91,16 +91,18 @@ STOP_WAIT=350
 . scripts/bench-common.sh
 install_cleanup
 
+# Waits until URL answers (the simulator listens only once its catalog is
+# built, which can take minutes for a large one on a loaded machine).
 wait_listening() {
   local url="$1" pid="$2" what="$3"
-  for _ in $(seq 1 150); do
+  for _ in $(seq 1 1500); do
     if curl -s -o /dev/null "$url"; then
       return 0
     fi
     kill -0 "$pid" 2>/dev/null || { echo "error: $what exited at start" >&2; return 1; }
     sleep 0.2
   done
-  echo "error: $what does not listen after 30 s" >&2
+  echo "error: $what does not listen after 300 s" >&2
   return 1
 }
 

@@ -106,9 +106,9 @@ RUN_DIR="$(mktemp -d -t voucher-cdc-bench-sync.XXXXXX)"
 . scripts/bench-common.sh
 install_cleanup
 
-# Waits until something accepts TCP connections on 127.0.0.1:PORT.
-# Waits until PORT accepts connections (the simulator listens only once its
-# catalog is built: half a minute for a million records on a loaded machine).
+# Waits until something accepts TCP connections on 127.0.0.1:PORT (the
+# simulator listens only once its catalog is built: up to a minute for a
+# million records on a loaded machine).
 wait_port() {
   local port="$1" pid="$2" what="$3"
   for _ in $(seq 1 3000); do

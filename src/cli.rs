@@ -574,7 +574,7 @@ async fn access(cfg: Option<&Config>, remote: &Remote) -> Result<Access, Failure
     };
     let path = absolute(&cfg.state.path);
     if path.exists() {
-        return match SledStore::open(&path) {
+        return match SledStore::open_with_cache(&path, cfg.state.cache_bytes()) {
             Ok(store) => Ok(Access::Store(store, path)),
             Err(StateError::Locked { .. }) => Ok(Access::Admin(AdminClient::new(
                 &listen_url(cfg),
@@ -1065,7 +1065,7 @@ fn exclusive_store(path: Option<&Path>, create: bool) -> Result<SledStore, Failu
             path.display()
         )));
     }
-    SledStore::open(&path).map_err(|e| match e {
+    SledStore::open_with_cache(&path, cfg.state.cache_bytes()).map_err(|e| match e {
         StateError::Locked { path } => Failure::runtime(format!(
             "state store {} is held by a running daemon: stop it first (state export, import and reset need the store to themselves)",
             path.display()

@@ -100,6 +100,11 @@ fn broken_configs() -> Vec<(&'static str, String, &'static str)> {
             "state.cache_capacity_mib: must be between 1 and 65536, got 0",
         ),
         (
+            "a store cache beyond 64 GiB",
+            base("[state]\ncache_capacity_mib = 65537\n"),
+            "state.cache_capacity_mib: must be between 1 and 65536, got 65537",
+        ),
+        (
             "full resync shorter than the interval",
             base("[poll]\ninterval = \"10m\"\nfull_resync_interval = \"1m\"\n"),
             "poll.full_resync_interval: must be at least poll.interval",

@@ -452,7 +452,9 @@ impl Simulator {
         // Bound now, so a taken address fails at once, but listening only
         // once the catalog is built: until then a client is refused (and
         // retries) instead of connecting and waiting, for half a minute with
-        // a million records, for an answer its timeout may not allow.
+        // a million records, for an answer its timeout may not allow. (Two
+        // simulators started at once on one port may both bind, with address
+        // reuse; the second then fails when it listens, after its build.)
         let socket = bind_socket(opts.listen)
             .with_context(|| format!("binding simulator listener on {}", opts.listen))?;
         let addr = socket
@@ -479,7 +481,7 @@ impl Simulator {
         let state = Arc::new(state);
         let listener = socket
             .listen(LISTEN_BACKLOG)
-            .with_context(|| format!("listening on {addr}"))?;
+            .with_context(|| format!("listening as the simulator on {addr}"))?;
         let cancel = CancellationToken::new();
         let tls = acceptor.is_some();
         let server = tokio::spawn(http::serve(
