@@ -23,7 +23,9 @@
 # sinks file,jetstream, cases first,sweep, 3 repeats. Everything listens on
 # 127.0.0.1 only; every process it starts is killed on exit.
 # Needs: cargo, python3, /usr/bin/time (GNU), nats-server for jetstream.
-# CARGO_TARGET_DIR is honoured; VCDC_BENCH_BIN skips the build.
+# It builds the `dist` profile, what the Docker image ships (VCDC_BENCH_PROFILE
+# picks another, e.g. release); CARGO_TARGET_DIR is honoured; VCDC_BENCH_BIN
+# skips the build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,9 +37,10 @@ CASES="first,sweep"
 SCALE="10000,100000,1000000"
 REPEAT=3
 KEEP=0
+PROFILE="${VCDC_BENCH_PROFILE:-dist}"
 
 usage() {
-  sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'
 }
 
 while [ $# -gt 0 ]; do
@@ -96,9 +99,10 @@ done
 if [ -n "${VCDC_BENCH_BIN:-}" ]; then
   BIN="$VCDC_BENCH_BIN"
 else
-  echo "==> cargo build --release --bin voucher-cdc" >&2
-  cargo build --release --bin voucher-cdc >&2
-  BIN="${CARGO_TARGET_DIR:-target}/release/voucher-cdc"
+  # The profile the Docker image ships (Cargo.toml: release with fat LTO).
+  echo "==> cargo build --profile $PROFILE --bin voucher-cdc" >&2
+  cargo build --profile "$PROFILE" --bin voucher-cdc >&2
+  BIN="${CARGO_TARGET_DIR:-target}/$PROFILE/voucher-cdc"
 fi
 
 RUN_DIR="$(mktemp -d -t voucher-cdc-bench-sync.XXXXXX)"
