@@ -3,7 +3,7 @@
 //! after syncing 10k / 100k / 300k records.
 //!
 //! ```text
-//! cargo bench --bench engine                 # criterion: hash, page commit, scans
+//! cargo bench --bench engine                 # criterion: hash, event, page commit, scans
 //! cargo bench --bench engine -- --footprint  # disk bytes per record and RSS
 //! cargo bench --bench engine -- --footprint 1000000,3000000
 //! cargo bench --bench engine -- --footprint 100000 --versions fields   # events.changed_fields
@@ -245,6 +245,43 @@ fn bench_hash(c: &mut Criterion, bodies: &[[String; 2]]) {
             content_hash(&bodies[i][0], &ignore).expect("valid")
         })
     });
+    group.finish();
+}
+
+/// Building one record's event (id, envelope, payload) around its listed
+/// bytes: a snapshot, and an update carrying a previous hash.
+fn bench_event(c: &mut Criterion, bodies: &[[String; 2]]) {
+    use voucher_cdc::event::{record_event, Op, RecordChange};
+    let ignore = IgnoreKeys::new(["updated_at"]);
+    let hashes: Vec<_> = bodies
+        .iter()
+        .map(|b| content_hash(&b[0], &ignore).expect("valid"))
+        .collect();
+    let detected_at = chrono::Utc::now();
+    let mut group = c.benchmark_group("record_event");
+    group.throughput(Throughput::Elements(1));
+    for (name, op) in [("snapshot", Op::Snapshot), ("update", Op::Update)] {
+        let mut i = 0;
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                i = (i + 1) % bodies.len();
+                record_event(&RecordChange {
+                    stream: STREAM,
+                    record_id: 1_000_000 + i as i64,
+                    generation: 0,
+                    seq: 1,
+                    op,
+                    updated_at: Some("2026-11-26T10:00:00.123456Z"),
+                    content_hash: hashes[i],
+                    previous_hash: (op == Op::Update).then(|| hashes[(i + 1) % hashes.len()]),
+                    replay: None,
+                    data: &bodies[i][0],
+                    detected_at,
+                    schema_base: &voucher_cdc::schema::DEFAULT_SCHEMA_BASE,
+                })
+            })
+        });
+    }
     group.finish();
 }
 
@@ -579,6 +616,7 @@ fn main() {
     let bodies = bodies();
     let mut c = Criterion::default().configure_from_args();
     bench_hash(&mut c, &bodies);
+    bench_event(&mut c, &bodies);
     bench_pages(&mut c, &bodies);
     c.final_summary();
 }

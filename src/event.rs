@@ -9,8 +9,8 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use serde::Serialize;
 use serde_json::value::RawValue;
 
-use crate::hash::{truncated, ContentHash};
-use crate::schema::{DataSchema, SchemaBase};
+use crate::hash::{truncated, ContentHash, Hex128};
+use crate::schema::{DataSchema, SchemaBase, SchemaUri};
 use crate::stream::{Resource, StreamKey, TenantId};
 
 /// What kind of change an event reports (the `op` attribute).
@@ -102,16 +102,22 @@ pub struct EventIdParts<'a> {
 
 /// Computes the 32-hex-digit event id: blake3 over the length-prefixed parts.
 pub fn event_id(parts: &EventIdParts<'_>) -> String {
-    // The parts are laid out in one buffer and hashed at once (the same
-    // digest as feeding them one by one, without a hasher update per part).
-    let mut h = Vec::with_capacity(256);
-    h.extend_from_slice(b"voucher-cdc/event-id/v2");
+    let mut input = IdInput::new();
+    id_input(parts, |bytes| input.push(bytes));
+    crate::hash::hex128(&truncated(&input.finish()))
+}
+
+/// Hands the bytes of an event id's input to `push`, in order: a domain
+/// tag, then each part as `0` when absent or `1`, its length (u64, little
+/// endian) and its bytes.
+fn id_input(parts: &EventIdParts<'_>, mut push: impl FnMut(&[u8])) {
+    push(b"voucher-cdc/event-id/v2");
     let mut field = |bytes: Option<&[u8]>| match bytes {
-        None => h.push(0),
+        None => push(&[0]),
         Some(b) => {
-            h.push(1);
-            h.extend_from_slice(&(b.len() as u64).to_le_bytes());
-            h.extend_from_slice(b);
+            push(&[1]);
+            push(&(b.len() as u64).to_le_bytes());
+            push(b);
         }
     };
     field(Some(&parts.tenant.to_le_bytes()));
@@ -123,7 +129,68 @@ pub fn event_id(parts: &EventIdParts<'_>) -> String {
     field(Some(parts.content_hash.as_bytes()));
     field(parts.previous_hash.map(str::as_bytes));
     field(parts.replay_id.map(str::as_bytes));
-    crate::hash::hex128(&truncated(&blake3::hash(&h)))
+}
+
+/// The input of an event id, laid out in a buffer on the stack and hashed at
+/// once: the same digest as feeding the parts to a hasher one by one, without
+/// a hasher update per part or an allocation per event. Parts that do not fit
+/// (an `updated_at` hundreds of bytes long) go through a hasher, boxed so
+/// that its 2 KB are not moved around with every id.
+struct IdInput {
+    buf: [u8; ID_INPUT_BUFFER],
+    len: usize,
+    hasher: Option<Box<blake3::Hasher>>,
+}
+
+/// Room for a record event's id input: 23 bytes of domain, 9 parts of at
+/// most 9 bytes of framing, a record id, two 32-digit hashes, a replay id
+/// and an `updated_at` of ordinary length take about 220.
+const ID_INPUT_BUFFER: usize = 320;
+
+impl IdInput {
+    fn new() -> Self {
+        IdInput {
+            buf: [0; ID_INPUT_BUFFER],
+            len: 0,
+            hasher: None,
+        }
+    }
+
+    #[inline]
+    fn push(&mut self, bytes: &[u8]) {
+        let end = self.len + bytes.len();
+        if end <= self.buf.len() {
+            self.buf[self.len..end].copy_from_slice(bytes);
+            self.len = end;
+        } else {
+            self.spill(bytes);
+        }
+    }
+
+    /// Sends what the buffer holds to the hasher, then `bytes` too when they
+    /// would not fit an empty buffer either.
+    #[cold]
+    fn spill(&mut self, bytes: &[u8]) {
+        let hasher = self
+            .hasher
+            .get_or_insert_with(|| Box::new(blake3::Hasher::new()));
+        hasher.update(&self.buf[..self.len]);
+        self.len = 0;
+        if bytes.len() > self.buf.len() {
+            hasher.update(bytes);
+        } else {
+            self.buf[..bytes.len()].copy_from_slice(bytes);
+            self.len = bytes.len();
+        }
+    }
+
+    fn finish(self) -> blake3::Hash {
+        let rest = &self.buf[..self.len];
+        match self.hasher {
+            None => blake3::hash(rest),
+            Some(mut hasher) => hasher.update(rest).finalize(),
+        }
+    }
 }
 
 /// The structured-mode CloudEvents JSON document (field order as DESIGN.md),
@@ -135,17 +202,17 @@ pub struct CloudEvent<'a> {
     /// Deterministic id, see [`event_id`].
     pub id: &'a str,
     /// `/tenants/{tenant}/catalog/{resource}`.
-    pub source: String,
+    pub source: &'a str,
     /// Event type name.
     pub ty: &'static str,
     /// Record id (or the replay id for framing events).
     pub subject: &'a str,
     /// Record `updated_at`, else detection time (RFC 3339).
-    pub time: String,
+    pub time: &'a str,
     /// Always `application/json`.
     pub datacontenttype: &'static str,
     /// URI of the JSON Schema of `data` (not part of the id).
-    pub dataschema: String,
+    pub dataschema: SchemaUri<'a>,
     /// `{tenant}:{singular resource}:{record id}`.
     pub partitionkey: &'a str,
     /// Tenant id.
@@ -228,6 +295,7 @@ pub fn partition_key(stream: StreamKey, record_id: &str) -> String {
 }
 
 /// A record id as text (what `i64::to_string` gives).
+#[cfg(test)]
 fn id_text(id: i64) -> String {
     crate::json::signed_decimal(id, &mut [0; 20]).to_owned()
 }
@@ -291,24 +359,28 @@ pub fn record_event_with(change: &RecordChange<'_>, version: VersionAttributes<'
         };
         (EventType::Updated(change.stream.resource), schema)
     };
-    let record_id = id_text(change.record_id);
-    let content_hash = change.content_hash.to_hex();
-    let previous_hash = change.previous_hash.map(|h| h.to_hex());
-    let replay_id = change.replay.map(hex::encode);
+    // Everything but the id, the partition key and the payload (which the
+    // event keeps) is written on the stack.
+    let (mut id_buf, mut source_buf) = ([0; 20], [0; SOURCE_MAX]);
+    let record_id = crate::json::signed_decimal(change.record_id, &mut id_buf);
+    let content_hash = change.content_hash.hex();
+    let previous_hash = change.previous_hash.map(|h| h.hex());
+    let replay_id = change.replay.map(|r| Hex128::of(&r));
     let id = event_id(&EventIdParts {
         tenant: change.stream.tenant,
         resource: change.stream.resource,
-        record_id: &record_id,
+        record_id,
         generation: change.generation,
         seq: change.seq,
         updated_at: change.updated_at,
-        content_hash: &content_hash,
-        previous_hash: previous_hash.as_deref(),
-        replay_id: replay_id.as_deref(),
+        content_hash: content_hash.as_str(),
+        previous_hash: previous_hash.as_ref().map(Hex128::as_str),
+        replay_id: replay_id.as_ref().map(Hex128::as_str),
     });
-    let partition_key = partition_key(change.stream, &record_id);
+    let partition_key = partition_key(change.stream, record_id);
+    let detected;
     let time = match change.updated_at {
-        Some(t) if change.op != Op::Delete && is_rfc3339(t) => t.to_string(),
+        Some(t) if change.op != Op::Delete && is_rfc3339(t) => t,
         Some(t) if change.op != Op::Delete => {
             // `time` must be RFC 3339; `data` keeps the original value.
             tracing::debug!(tenant = change.stream.tenant, resource = %change.stream.resource,
@@ -318,25 +390,29 @@ pub fn record_event_with(change: &RecordChange<'_>, version: VersionAttributes<'
                 "tenant" => change.stream.tenant.to_string(),
                 "resource" => change.stream.resource.as_str())
             .increment(1);
-            format_time(change.detected_at)
+            detected = format_time(change.detected_at);
+            &detected
         }
-        _ => format_time(change.detected_at),
+        _ => {
+            detected = format_time(change.detected_at);
+            &detected
+        }
     };
     let doc = CloudEvent {
         specversion: "1.0",
         id: &id,
-        source: source(change.stream),
+        source: source_in(change.stream, &mut source_buf),
         ty: ty.as_str(),
-        subject: &record_id,
+        subject: record_id,
         time,
         datacontenttype: "application/json",
-        dataschema: change.schema_base.uri(schema),
+        dataschema: change.schema_base.uri_parts(schema),
         partitionkey: &partition_key,
         tenant: change.stream.tenant,
         op: Some(change.op),
-        contenthash: &content_hash,
-        previoushash: previous_hash.as_deref(),
-        replayid: replay_id.as_deref(),
+        contenthash: content_hash.as_str(),
+        previoushash: previous_hash.as_ref().map(Hex128::as_str),
+        replayid: replay_id.as_ref().map(Hex128::as_str),
         changedfields: version.changed_fields,
         before: version.before,
         data: change.data,
@@ -489,15 +565,16 @@ fn stream_event(frame: &StreamFrame<'_>, data: &impl Serialize, schema_base: &Sc
         stream.resource.singular(),
         frame.key_suffix
     );
+    let mut source_buf = [0; SOURCE_MAX];
     let doc = CloudEvent {
         specversion: "1.0",
         id: &id,
-        source: source(stream),
+        source: source_in(stream, &mut source_buf),
         ty: frame.ty.as_str(),
         subject: frame.subject,
-        time: frame.time.clone(),
+        time: &frame.time,
         datacontenttype: "application/json",
-        dataschema: schema_base.uri(frame.schema),
+        dataschema: schema_base.uri_parts(frame.schema),
         partitionkey: &partition_key,
         tenant: stream.tenant,
         op: None,
@@ -671,13 +748,27 @@ pub fn dead_letter_event(
 }
 
 fn source(stream: StreamKey) -> String {
-    let resource = stream.resource.as_str();
-    let mut source = String::with_capacity(40 + resource.len());
-    source.push_str("/tenants/");
-    source.push_str(crate::json::decimal(stream.tenant, &mut [0; 20]));
-    source.push_str("/catalog/");
-    source.push_str(resource);
-    source
+    source_in(stream, &mut [0; SOURCE_MAX]).to_owned()
+}
+
+/// The longest `source`: `/tenants/` (9), a tenant of 20 digits,
+/// `/catalog/` (9) and `categories` (10).
+const SOURCE_MAX: usize = 48;
+
+/// `/tenants/{tenant}/catalog/{resource}`, written into `buf`.
+fn source_in(stream: StreamKey, buf: &mut [u8; SOURCE_MAX]) -> &str {
+    let mut len = 0;
+    for part in [
+        "/tenants/",
+        crate::json::decimal(stream.tenant, &mut [0; 20]),
+        "/catalog/",
+        stream.resource.as_str(),
+    ] {
+        buf[len..len + part.len()].copy_from_slice(part.as_bytes());
+        len += part.len();
+    }
+    // Every part is text; the fallback cannot be reached.
+    std::str::from_utf8(&buf[..len]).unwrap_or_default()
 }
 
 fn empty_object() -> Box<RawValue> {
@@ -700,12 +791,13 @@ impl CloudEvent<'_> {
         out.extend_from_slice(b"{\"specversion\":");
         json_str(&mut out, self.specversion);
         attribute(&mut out, "id", Some(self.id));
-        attribute(&mut out, "source", Some(&self.source));
+        attribute(&mut out, "source", Some(self.source));
         attribute(&mut out, "type", Some(self.ty));
         attribute(&mut out, "subject", Some(self.subject));
-        attribute(&mut out, "time", Some(&self.time));
+        attribute(&mut out, "time", Some(self.time));
         attribute(&mut out, "datacontenttype", Some(self.datacontenttype));
-        attribute(&mut out, "dataschema", Some(&self.dataschema));
+        out.extend_from_slice(b",\"dataschema\":");
+        json_str_joined(&mut out, [self.dataschema.base, self.dataschema.file]);
         attribute(&mut out, "partitionkey", Some(self.partitionkey));
         out.extend_from_slice(b",\"tenant\":");
         out.extend_from_slice(crate::json::decimal(self.tenant, &mut [0; 20]).as_bytes());
@@ -729,6 +821,21 @@ fn attribute(out: &mut Vec<u8>, name: &str, value: Option<&str>) {
         out.extend_from_slice(name.as_bytes());
         out.extend_from_slice(b"\":");
         json_str(out, value);
+    }
+}
+
+/// The JSON string of the parts joined, written without joining them when
+/// none needs escaping (escaping is per character, so the result is the same).
+fn json_str_joined(out: &mut Vec<u8>, parts: [&str; 2]) {
+    let plain = |part: &str| crate::hash::plain_run_end(part.as_bytes(), 0) == part.len();
+    if parts.iter().all(|part| plain(part)) {
+        out.push(b'"');
+        for part in parts {
+            out.extend_from_slice(part.as_bytes());
+        }
+        out.push(b'"');
+    } else {
+        json_str(out, &parts.concat());
     }
 }
 
@@ -776,12 +883,20 @@ mod tests {
             let doc = CloudEvent {
                 specversion: "1.0",
                 id: "0123456789abcdef0123456789abcdef",
-                source: "/tenants/7/catalog/vouchers".to_string(),
+                source: "/tenants/7/catalog/vouchers",
                 ty: "voucher.updated",
                 subject: "9\"\n",
-                time: "2024-05-01T10:00:00Z".to_string(),
+                time: "2024-05-01T10:00:00Z",
                 datacontenttype: "application/json",
-                dataschema: "https://example.com/s/voucher.schema.json".to_string(),
+                dataschema: SchemaUri {
+                    // A base that needs escaping on the second round.
+                    base: if full {
+                        "https://example.com/s\"/"
+                    } else {
+                        "https://example.com/s/"
+                    },
+                    file: "voucher.schema.json",
+                },
                 partitionkey: "7:voucher:9",
                 tenant: 7,
                 op: full.then_some(Op::Update),
@@ -831,10 +946,47 @@ mod tests {
             assert_eq!(names, expected);
             let value: serde_json::Value = serde_json::from_str(&payload).unwrap();
             assert_eq!(value["subject"], doc.subject);
+            let schema = format!("{}{}", doc.dataschema.base, doc.dataschema.file);
+            assert_eq!(value["dataschema"], schema);
+            assert!(payload.contains(&format!(r#","dataschema":{},"#, escaped(&schema))));
             assert_eq!(value["tenant"], 7);
             if full {
                 assert_eq!(value["before"], before);
                 assert_eq!(value["op"], "update");
+            }
+        }
+    }
+
+    /// The id of `parts` with its input laid out in a `Vec` and hashed at once.
+    fn reference_event_id(parts: &EventIdParts<'_>) -> String {
+        let mut input = Vec::new();
+        id_input(parts, |bytes| input.extend_from_slice(bytes));
+        hex::encode(truncated(&blake3::hash(&input)))
+    }
+
+    #[test]
+    fn an_id_whose_parts_overflow_the_stack_buffer_is_the_same_digest() {
+        // Around the buffer's size and far beyond it, in the middle of the
+        // input and at its end.
+        for long in [0, 1, 100, 200, 250, 300, 319, 320, 321, 640, 5_000] {
+            let text = "x".repeat(long);
+            for (record_id, updated_at, replay_id) in [
+                ("1", Some(text.as_str()), None),
+                (text.as_str(), None, Some("r")),
+                ("-7", None, Some(text.as_str())),
+            ] {
+                let parts = EventIdParts {
+                    tenant: 7,
+                    resource: Resource::Vouchers,
+                    record_id,
+                    generation: 2,
+                    seq: 9,
+                    updated_at,
+                    content_hash: "ffeeddccbbaa99887766554433221100",
+                    previous_hash: Some("00112233445566778899aabbccddeeff"),
+                    replay_id,
+                };
+                assert_eq!(event_id(&parts), reference_event_id(&parts), "{long}");
             }
         }
     }

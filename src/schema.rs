@@ -116,12 +116,30 @@ impl SchemaBase {
 
     /// The `dataschema` URI of `schema`.
     pub fn uri(&self, schema: DataSchema) -> String {
-        let file = schema.file_name();
-        let mut uri = String::with_capacity(self.0.len() + file.len());
-        uri.push_str(&self.0);
+        let SchemaUri { base, file } = self.uri_parts(schema);
+        let mut uri = String::with_capacity(base.len() + file.len());
+        uri.push_str(base);
         uri.push_str(file);
         uri
     }
+
+    /// The `dataschema` URI of `schema` as its two parts, for an event that
+    /// writes them one after the other instead of joining them first.
+    pub fn uri_parts(&self, schema: DataSchema) -> SchemaUri<'_> {
+        SchemaUri {
+            base: &self.0,
+            file: schema.file_name(),
+        }
+    }
+}
+
+/// A `dataschema` URI: the base followed by the schema's file name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchemaUri<'a> {
+    /// The base URL, ending in `/`.
+    pub base: &'a str,
+    /// The schema's file name.
+    pub file: &'static str,
 }
 
 impl Default for SchemaBase {

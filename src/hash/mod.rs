@@ -30,9 +30,32 @@ pub fn truncated(digest: &blake3::Hash) -> [u8; 16] {
 /// string's bytes (two of every event's attributes are such digits, and
 /// `hex::encode` builds them a `char` at a time).
 pub fn hex128(bytes: &[u8; 16]) -> String {
-    let mut out = String::with_capacity(32);
-    out.extend(hex_digits(bytes).iter().map(|&digit| char::from(digit)));
-    out
+    Hex128::of(bytes).as_str().to_owned()
+}
+
+/// The 32 hex digits of a 128-bit hash held on the stack: an event writes
+/// its hashes into its id's input and its payload and keeps no copy, so
+/// they need no allocation of their own.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Hex128([u8; 32]);
+
+impl Hex128 {
+    /// The digits of `bytes`.
+    pub fn of(bytes: &[u8; 16]) -> Self {
+        Hex128(hex_digits(bytes))
+    }
+
+    /// The digits as text.
+    pub fn as_str(&self) -> &str {
+        // Hex digits are ASCII; the fallback cannot be reached.
+        std::str::from_utf8(&self.0).unwrap_or_default()
+    }
+}
+
+impl fmt::Debug for Hex128 {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// The 32 lowercase hex digits of a 128-bit hash, as ASCII bytes.
@@ -54,6 +77,11 @@ impl ContentHash {
     /// The 32 lowercase hex digits of the hash.
     pub fn to_hex(&self) -> String {
         hex128(&self.0)
+    }
+
+    /// The 32 lowercase hex digits of the hash, without an allocation.
+    pub fn hex(&self) -> Hex128 {
+        Hex128::of(&self.0)
     }
 
     /// Parses 32 hex digits.
@@ -201,6 +229,8 @@ mod tests {
         #[test]
         fn hex128_writes_the_same_digits_as_the_hex_crate(bytes in proptest::prelude::any::<[u8; 16]>()) {
             proptest::prop_assert_eq!(hex128(&bytes), hex::encode(bytes));
+            let digits = ContentHash(bytes).hex();
+            proptest::prop_assert_eq!(digits.as_str(), hex::encode(bytes));
         }
     }
 
