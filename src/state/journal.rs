@@ -9,9 +9,9 @@
 //! as part of one sled batch, and applied to memory only after the batch
 //! succeeded.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
-use super::Intent;
+use super::{id_map_with_capacity, IdMap, Intent};
 
 /// Pending intents of one stream, by journal entry.
 #[derive(Debug, Default)]
@@ -19,7 +19,7 @@ pub(crate) struct StreamJournal {
     /// Entry sequence number to the intents it still holds.
     entries: BTreeMap<u64, Vec<(i64, Intent)>>,
     /// Record id to the entry holding its (newest) intent.
-    by_id: HashMap<i64, u64>,
+    by_id: IdMap<u64>,
     /// Lowest sequence number never used: an entry removed by a commit that
     /// is staged, not yet written, must not be written again under its number.
     unused_seq: u64,
@@ -102,7 +102,7 @@ impl StreamJournal {
     /// Plans a new entry for `intents` (last intent per id wins), taking those
     /// ids out of older entries. Returns the plan and the new entry's sequence.
     pub(crate) fn plan_append(&self, intents: &[(i64, Intent)]) -> (JournalPlan, u64) {
-        let mut position: HashMap<i64, usize> = HashMap::with_capacity(intents.len());
+        let mut position: IdMap<usize> = id_map_with_capacity(intents.len());
         let mut entry: Vec<(i64, Intent)> = Vec::with_capacity(intents.len());
         for &(id, intent) in intents {
             match position.get(&id) {

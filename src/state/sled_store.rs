@@ -10,7 +10,7 @@
 //! (`write_staged`). See docs/state.md.
 
 use std::collections::btree_map::Entry;
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -24,8 +24,8 @@ use super::codec::{
 };
 use super::journal::{JournalPlan, StreamJournal};
 use super::{
-    Acked, DeadLetter, DeleteCommit, Intent, PageCommit, RecordState, StateError, StateStore,
-    StoredVersion, StreamState, Tombstone,
+    Acked, DeadLetter, DeleteCommit, IdMap, IdSet, Intent, PageCommit, RecordState, StateError,
+    StateStore, StoredVersion, StreamState, Tombstone,
 };
 use crate::crashpoint;
 use crate::hash::FieldHashes;
@@ -653,9 +653,9 @@ impl SledStore {
         kind: u8,
         key: StreamKey,
         ids: &[i64],
-    ) -> Result<Option<HashMap<i64, sled::IVec>>, StateError> {
+    ) -> Result<Option<IdMap<sled::IVec>>, StateError> {
         let (Some(&low), Some(&high)) = (ids.iter().min(), ids.iter().max()) else {
-            return Ok(Some(HashMap::new()));
+            return Ok(Some(IdMap::default()));
         };
         let limit = span_scan_limit(ids.len());
         let span = codec::record_key(kind, key, low)..=codec::record_key(kind, key, high);
@@ -678,8 +678,8 @@ impl SledStore {
         if staged.len() > limit {
             return Ok(None);
         }
-        let wanted: HashSet<i64> = ids.iter().copied().collect();
-        let mut found = HashMap::new();
+        let wanted: IdSet = ids.iter().copied().collect();
+        let mut found = IdMap::default();
         for (scanned, entry) in self.catalog.range(span).enumerate() {
             if scanned >= limit {
                 return Ok(None);
@@ -1139,7 +1139,7 @@ impl StateStore for SledStore {
         for (id, version) in versions {
             self.add_version(&mut batch, key, (*id, version), false, &mut new_shapes)?;
         }
-        let committed: HashSet<i64> = commits.iter().map(|(id, _)| *id).collect();
+        let committed: IdSet = commits.iter().map(|(id, _)| *id).collect();
         for id in seen.iter().filter(|id| !committed.contains(id)) {
             let (bucket, slot) = self.bucket_for(&mut buckets, key, *id)?;
             if let Some(record) = bucket.slots[slot].as_mut() {

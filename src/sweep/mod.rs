@@ -53,7 +53,8 @@ use crate::schema::SchemaBase;
 use crate::sinks::Sink;
 use crate::state::ledger::{FullRetry, SweepEnd};
 use crate::state::{
-    Acked, Delivery, Intent, NotAcknowledged, StateError, StateStore, StreamLedger, SweepPlan,
+    Acked, Delivery, IdSet, Intent, NotAcknowledged, StateError, StateStore, StreamLedger,
+    SweepPlan,
 };
 use crate::stream::{Resource, StreamKey};
 use crate::telemetry::metric;
@@ -589,7 +590,7 @@ impl SweepRun<'_> {
                 .filter_map(|(id, t)| t.map(|t| (id, t)))
                 .collect();
         }
-        let listed: HashSet<i64> = ids.into_iter().collect();
+        let listed: IdSet = ids.into_iter().collect();
         known.intents = store
             .pending_intents(stream)?
             .into_iter()

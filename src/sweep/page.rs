@@ -9,8 +9,6 @@
 //! await the acks, commit) is in the sweep; everything here is tested without
 //! a store or a sink.
 
-use std::collections::HashMap;
-
 use chrono::{DateTime, Utc};
 use serde_json::value::RawValue;
 
@@ -22,7 +20,7 @@ use crate::event::{
 use crate::hash::{content_hash, ContentHash, IgnoreKeys};
 use crate::planner::history::ChangeHistory;
 use crate::schema::SchemaBase;
-use crate::state::{Intent, RecordState, SweepPlan, Tombstone};
+use crate::state::{id_map_with_capacity, IdMap, Intent, RecordState, SweepPlan, Tombstone};
 use crate::stream::StreamKey;
 use crate::upstream::page::Record;
 
@@ -30,11 +28,11 @@ use crate::upstream::page::Record;
 #[derive(Debug, Clone, Default)]
 pub struct KnownRecords {
     /// Committed state, by record id.
-    pub committed: HashMap<i64, RecordState>,
+    pub committed: IdMap<RecordState>,
     /// Pending intents (what downstream may have seen beyond the committed hashes), by record id.
-    pub intents: HashMap<i64, Intent>,
+    pub intents: IdMap<Intent>,
     /// Tombstones of earlier incarnations, by record id.
-    pub tombstones: HashMap<i64, Tombstone>,
+    pub tombstones: IdMap<Tombstone>,
 }
 
 impl KnownRecords {
@@ -50,7 +48,7 @@ impl KnownRecords {
 /// The records of a page with each id once, as its last version, in the
 /// order of those last versions.
 pub fn dedupe(records: &[Record]) -> Vec<&Record> {
-    let mut last_index: HashMap<i64, usize> = HashMap::with_capacity(records.len());
+    let mut last_index: IdMap<usize> = id_map_with_capacity(records.len());
     for (i, r) in records.iter().enumerate() {
         last_index.insert(r.id, i);
     }
