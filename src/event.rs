@@ -142,9 +142,11 @@ struct IdInput {
     hasher: Option<Box<blake3::Hasher>>,
 }
 
-/// Room for a record event's id input: 23 bytes of domain, 9 parts of at
-/// most 9 bytes of framing, a record id, two 32-digit hashes, a replay id
-/// and an `updated_at` of ordinary length take about 220.
+/// Room for a record event's id input: 23 bytes of domain, 9 bytes of
+/// framing a part, the tenant, resource, record id, generation, sequence,
+/// an `updated_at` of ordinary length and two 32-digit hashes take about 222
+/// bytes, about 262 with a replay id, about 285 with the longest ordinary
+/// values.
 const ID_INPUT_BUFFER: usize = 320;
 
 impl IdInput {
@@ -294,12 +296,6 @@ pub fn partition_key(stream: StreamKey, record_id: &str) -> String {
     key
 }
 
-/// A record id as text (what `i64::to_string` gives).
-#[cfg(test)]
-fn id_text(id: i64) -> String {
-    crate::json::signed_decimal(id, &mut [0; 20]).to_owned()
-}
-
 /// Everything needed to build one record event.
 #[derive(Debug, Clone, Copy)]
 pub struct RecordChange<'a> {
@@ -359,12 +355,14 @@ pub fn record_event_with(change: &RecordChange<'_>, version: VersionAttributes<'
         };
         (EventType::Updated(change.stream.resource), schema)
     };
-    // Everything but the id, the partition key and the payload (which the
-    // event keeps) is written on the stack.
+    // The id's input, the hashes' digits, the record id and `source` are
+    // written on the stack; `time` is borrowed when `updated_at` is RFC 3339
+    // (else formatted). The event keeps the id, the partition key and the
+    // payload.
     let (mut id_buf, mut source_buf) = ([0; 20], [0; SOURCE_MAX]);
     let record_id = crate::json::signed_decimal(change.record_id, &mut id_buf);
-    let content_hash = change.content_hash.hex();
-    let previous_hash = change.previous_hash.map(|h| h.hex());
+    let content_hash = change.content_hash.digits();
+    let previous_hash = change.previous_hash.map(|h| h.digits());
     let replay_id = change.replay.map(|r| Hex128::of(&r));
     let id = event_id(&EventIdParts {
         tenant: change.stream.tenant,
@@ -694,7 +692,10 @@ struct DeadLetterDoc<'a> {
 /// The single-record API path a dead letter's `dataref` names:
 /// `/tenants/{tenant}/catalog/{resource}/{id}`.
 pub fn record_path(stream: StreamKey, record_id: &str) -> String {
-    format!("{}/{record_id}", source(stream))
+    let mut path = source_in(stream, &mut [0; SOURCE_MAX]).to_owned();
+    path.push('/');
+    path.push_str(record_id);
+    path
 }
 
 /// Why a dead letter could not be built from an event.
@@ -747,12 +748,8 @@ pub fn dead_letter_event(
     })
 }
 
-fn source(stream: StreamKey) -> String {
-    source_in(stream, &mut [0; SOURCE_MAX]).to_owned()
-}
-
 /// The longest `source`: `/tenants/` (9), a tenant of 20 digits,
-/// `/catalog/` (9) and `categories` (10).
+/// `/catalog/` (9) and `categories` (10); a test holds every resource to it.
 const SOURCE_MAX: usize = 48;
 
 /// `/tenants/{tenant}/catalog/{resource}`, written into `buf`.
@@ -862,7 +859,10 @@ mod tests {
             assert_eq!(crate::json::decimal(n, &mut [0; 20]), n.to_string());
         }
         for id in [0i64, 1, -1, 42, -9_000, i64::MAX, i64::MIN] {
-            assert_eq!(id_text(id), id.to_string());
+            assert_eq!(
+                crate::json::signed_decimal(id, &mut [0; 20]),
+                id.to_string()
+            );
         }
         let stream = StreamKey::new(18_446_744_073_709_551_615, Resource::Categories);
         assert_eq!(
@@ -870,9 +870,21 @@ mod tests {
             "18446744073709551615:category:-5"
         );
         assert_eq!(
-            source(stream),
+            source_in(stream, &mut [0; SOURCE_MAX]),
             "/tenants/18446744073709551615/catalog/categories"
         );
+        assert_eq!(
+            record_path(stream, "-5"),
+            "/tenants/18446744073709551615/catalog/categories/-5"
+        );
+    }
+
+    #[test]
+    fn the_longest_source_of_every_resource_fits_its_buffer() {
+        for resource in Resource::ALL {
+            let longest = "/tenants/".len() + 20 + "/catalog/".len() + resource.as_str().len();
+            assert!(longest <= SOURCE_MAX, "{resource}");
+        }
     }
 
     #[test]
@@ -891,7 +903,7 @@ mod tests {
                 dataschema: SchemaUri {
                     // A base that needs escaping on the second round.
                     base: if full {
-                        "https://example.com/s\"/"
+                        "https://example.com/s\"\\\n/"
                     } else {
                         "https://example.com/s/"
                     },

@@ -114,7 +114,8 @@ impl SchemaBase {
         &self.0
     }
 
-    /// The `dataschema` URI of `schema`.
+    /// The `dataschema` URI of `schema`, joined (events write it from
+    /// [`Self::uri_parts`] without joining it first).
     pub fn uri(&self, schema: DataSchema) -> String {
         let SchemaUri { base, file } = self.uri_parts(schema);
         let mut uri = String::with_capacity(base.len() + file.len());

@@ -79,8 +79,8 @@ impl ContentHash {
         hex128(&self.0)
     }
 
-    /// The 32 lowercase hex digits of the hash, without an allocation.
-    pub fn hex(&self) -> Hex128 {
+    /// The 32 lowercase hex digits of the hash, held on the stack.
+    pub fn digits(&self) -> Hex128 {
         Hex128::of(&self.0)
     }
 
@@ -229,7 +229,7 @@ mod tests {
         #[test]
         fn hex128_writes_the_same_digits_as_the_hex_crate(bytes in proptest::prelude::any::<[u8; 16]>()) {
             proptest::prop_assert_eq!(hex128(&bytes), hex::encode(bytes));
-            let digits = ContentHash(bytes).hex();
+            let digits = ContentHash(bytes).digits();
             proptest::prop_assert_eq!(digits.as_str(), hex::encode(bytes));
         }
     }

@@ -113,7 +113,7 @@ impl Acked<PageCommit> {
     /// not describe the version its record commits (another id or hash) is
     /// left out, so a stored version is always one the sink acknowledged.
     pub fn with_versions(mut self, versions: Vec<(i64, StoredVersion)>) -> Self {
-        let committed: std::collections::HashMap<i64, crate::hash::ContentHash> = self
+        let committed: super::IdMap<crate::hash::ContentHash> = self
             .batch
             .records
             .iter()

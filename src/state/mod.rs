@@ -26,12 +26,15 @@ pub use acked::{Acked, DeleteCommit, Delivery, NotAcknowledged, PageCommit};
 pub use ledger::{StreamLedger, SweepKind, SweepPlan};
 pub use sled_store::{SledStore, StreamDump, CACHE_CAPACITY, LAYOUT_MARKER, LAYOUT_VERSION};
 
-/// A hash map keyed by record id: the per-page indexes of the sweep and the
-/// store, and a stream's pending intents. foldhash instead of the standard
-/// SipHash, which cost about 140 instructions an id and about 11 hashes a
-/// synced record; each map has its own random seed, and every one is
-/// bounded by a page or by the pages in flight, so ids an upstream chose
-/// cannot make a long probe sequence costly.
+/// A hash map keyed by record id, for the indexes on the per-record path: a
+/// page's dedupe and known records, the store's span scans, the journal's
+/// index of pending intents (a page's worth per page in flight, more only
+/// after failed publishes, until the next full sweep). foldhash instead of
+/// the standard SipHash, which cost about 140 instructions an id and about
+/// 11 hashes a synced record. Each map draws its own random seed, so a set of
+/// colliding ids cannot be chosen in advance (and ids come from the
+/// authenticated upstream). Maps built once per full sweep keep the
+/// standard hasher: their speed does not matter.
 pub type IdMap<V> = std::collections::HashMap<i64, V, foldhash::fast::RandomState>;
 
 /// A set of record ids, hashed as [`IdMap`] hashes them.

@@ -723,6 +723,7 @@ impl SweepRun<'_> {
         let plan = self.plan;
         let stream = sweeper.stream;
         let unseen = sweeper.store.unseen_records(stream, plan.epoch)?;
+        // Built once per full sweep over a whole stream: the standard hasher.
         let intents: HashMap<i64, Intent> =
             sweeper.store.pending_intents(stream)?.into_iter().collect();
 
