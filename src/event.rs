@@ -824,8 +824,7 @@ fn attribute(out: &mut Vec<u8>, name: &str, value: Option<&str>) {
 /// The JSON string of the parts joined, written without joining them when
 /// none needs escaping (escaping is per character, so the result is the same).
 fn json_str_joined(out: &mut Vec<u8>, parts: [&str; 2]) {
-    let plain = |part: &str| crate::hash::plain_run_end(part.as_bytes(), 0) == part.len();
-    if parts.iter().all(|part| plain(part)) {
+    if parts.iter().all(|part| needs_no_escape(part)) {
         out.push(b'"');
         for part in parts {
             out.extend_from_slice(part.as_bytes());
@@ -836,10 +835,16 @@ fn json_str_joined(out: &mut Vec<u8>, parts: [&str; 2]) {
     }
 }
 
+/// True when `text` holds no `"`, `\\` or control character: its JSON string
+/// is the text between quotes.
+fn needs_no_escape(text: &str) -> bool {
+    crate::hash::plain_run_end(text.as_bytes(), 0) == text.len()
+}
+
 /// A JSON string, escaped exactly as serde_json escapes it (`"`, `\\` and
 /// control characters; nothing else).
 fn json_str(out: &mut Vec<u8>, text: &str) {
-    if crate::hash::plain_run_end(text.as_bytes(), 0) == text.len() {
+    if needs_no_escape(text) {
         out.push(b'"');
         out.extend_from_slice(text.as_bytes());
         out.push(b'"');
