@@ -1618,9 +1618,14 @@ mod tests {
     /// test just dropped still holds its lock: sled's background threads let
     /// go of the file a moment after the drop, later on a loaded machine.
     fn reopen(path: &Path) -> Result<SledStore, StateError> {
+        reopen_with_cache(path, CACHE_CAPACITY)
+    }
+
+    /// [`reopen`] with a page cache of `cache_bytes`.
+    fn reopen_with_cache(path: &Path, cache_bytes: u64) -> Result<SledStore, StateError> {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         loop {
-            match SledStore::open(path) {
+            match SledStore::open_with_cache(path, cache_bytes) {
                 Err(StateError::Locked { .. }) if std::time::Instant::now() < deadline => {
                     std::thread::sleep(std::time::Duration::from_millis(20));
                 }
@@ -2919,23 +2924,31 @@ mod tests {
 
     #[test]
     fn a_store_larger_than_its_cache_reads_back_every_record_from_disk_and_after_a_reopen() {
-        // 20,000 records in ~620 buckets of ~40 leaves, committed in an order
+        // 20,000 records in 625 buckets (40-80 leaves), committed in an order
         // that revisits each bucket from many pages (so leaves carry several
-        // fragments), through a 64 KiB cache: most reads pull pages back from
-        // the log, bucket updates (one read each) and whole leaves (two) alike.
+        // fragments), through a 64 KiB cache, smaller than one leaf in each
+        // of sled's cache shards: most reads pull pages back from the log
+        // file, bucket updates (one read each) and whole leaves (two) alike.
+        // The reopen reads every message again, through sled's recovery.
         const RECORDS: i64 = 20_000;
+        const CACHE: u64 = 64 << 10;
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("state");
         let order: Vec<i64> = (0..RECORDS).map(|n| (n * 7_919) % RECORDS).collect();
-        let all: Vec<i64> = (0..RECORDS).collect();
-        let expected: Vec<Option<RecordState>> = all.iter().map(|&id| Some(numbered(id))).collect();
-        let read_all = |store: &SledStore| -> Vec<Option<RecordState>> {
-            all.chunks(50)
-                .flat_map(|ids| store.get_records(VOUCHERS, ids).unwrap())
-                .collect()
+        let check = |store: &SledStore, when: &str| {
+            for ids in (0..RECORDS).collect::<Vec<_>>().chunks(50) {
+                let read = store.get_records(VOUCHERS, ids).unwrap();
+                for (id, record) in ids.iter().zip(read) {
+                    assert!(
+                        record == Some(numbered(*id)),
+                        "record {id} read back {when}: {record:?}"
+                    );
+                }
+            }
+            assert_eq!(store.record_count(VOUCHERS).unwrap(), RECORDS as u64);
         };
         {
-            let mut store = SledStore::open_with_cache(&path, 64 << 10).unwrap();
+            let mut store = reopen_with_cache(&path, CACHE).unwrap();
             store.limits = StageLimits {
                 stream_bytes: 16 << 10,
                 ..STAGE_LIMITS
@@ -2947,14 +2960,10 @@ mod tests {
                 store.commit_records(VOUCHERS, &commits, &[], 0).unwrap();
             }
             store.flush().unwrap();
-            assert!(read_all(&store) == expected, "a record read back differs");
-            assert_eq!(store.record_count(VOUCHERS).unwrap(), RECORDS as u64);
+            check(&store, "before the reopen");
         }
-        let store = SledStore::open_with_cache(&path, 64 << 10).unwrap();
-        assert!(
-            read_all(&store) == expected,
-            "a record read back after a reopen differs"
-        );
+        let store = reopen_with_cache(&path, CACHE).unwrap();
+        check(&store, "after the reopen");
         assert!(store.pending_intents(VOUCHERS).unwrap().is_empty());
     }
 }
