@@ -2927,9 +2927,9 @@ mod tests {
         // 20,000 records in 625 buckets (40-80 leaves), committed in an order
         // that revisits each bucket from many pages (so leaves carry several
         // fragments), through a 64 KiB cache, smaller than one leaf in each
-        // of sled's cache shards: most reads pull pages back from the log
-        // file, bucket updates (one read each) and whole leaves (two) alike.
-        // The reopen reads every message again, through sled's recovery.
+        // of sled's cache shards (vendor/sled/PATCHES.md, item 3): most reads
+        // pull pages back from the log file, fragment by fragment. The reopen
+        // reads every message again, through sled's recovery.
         const RECORDS: i64 = 20_000;
         const CACHE: u64 = 64 << 10;
         let dir = tempfile::tempdir().unwrap();

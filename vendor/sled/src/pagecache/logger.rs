@@ -633,10 +633,6 @@ pub(crate) fn read_segment_header(
 }
 
 pub(crate) trait ReadAt {
-    /// voucher-cdc: how many bytes `read_message` reads first (at most
-    /// 4096): a message that fits needs no second read (PATCHES.md, item 5).
-    const FIRST_READ: usize = 128;
-
     fn pread_exact(&self, dst: &mut [u8], at: u64) -> std::io::Result<()>;
 
     fn pread_exact_or_eof(
@@ -647,8 +643,6 @@ pub(crate) trait ReadAt {
 }
 
 impl ReadAt for File {
-    const FIRST_READ: usize = 4096;
-
     fn pread_exact(&self, dst: &mut [u8], at: u64) -> std::io::Result<()> {
         pread_exact(self, dst, at)
     }
@@ -724,28 +718,14 @@ pub(crate) fn read_message<R: ReadAt>(
         "tried to read a message from the red zone"
     );
 
-    // voucher-cdc: the first read of the file takes up to R::FIRST_READ
-    // bytes (4 KiB; 128 as before where fewer are left in the segment), so
-    // a message that fits is read by one pread instead of two (its header,
-    // then its body); see PATCHES.md, item 5.
-    let segment_left = (seg_start + segment_len as LogOffset) - lid;
-    let first_len = usize::try_from(segment_left)
-        .unwrap_or(usize::MAX)
-        .min(R::FIRST_READ)
-        .max(128);
-    let mut first_read = [0; 4096];
-    let msg_header_buf = &mut first_read[..first_len];
-    let read_bytes = file.pread_exact_or_eof(msg_header_buf, lid)?;
+    let msg_header_buf = &mut [0; 128];
+    let _read_bytes = file.pread_exact_or_eof(msg_header_buf, lid)?;
     let header_cursor = &mut msg_header_buf.as_ref();
     let len_before = header_cursor.len();
     let header = MessageHeader::deserialize(header_cursor)?;
     let len_after = header_cursor.len();
     trace!("read message header at lid {}: {:?}", lid, header);
     let message_offset = len_before - len_after;
-    // A body is taken from the first read only where it lies in the bytes
-    // read, or in its first 128 (zero-filled past the end of the file) as
-    // before: at the end of the file a body is read anew and fails as it did.
-    let body_read = read_bytes.clamp(128, first_len) - message_offset;
 
     let ceiling = seg_start + segment_len as LogOffset;
 
@@ -775,7 +755,7 @@ pub(crate) fn read_message<R: ReadAt>(
     // perform crc check on everything that isn't Corrupted
     let mut buf = vec![0; header_len];
 
-    if header_len > body_read {
+    if header_len > len_after {
         // we have to read more data from disk
         file.pread_exact(&mut buf, lid + message_offset as LogOffset)?;
     } else {
