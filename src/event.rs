@@ -377,21 +377,19 @@ pub fn record_event_with(change: &RecordChange<'_>, version: VersionAttributes<'
     });
     let partition_key = partition_key(change.stream, record_id);
     let detected;
-    let time = match change.updated_at {
-        Some(t) if change.op != Op::Delete && is_rfc3339(t) => t,
-        Some(t) if change.op != Op::Delete => {
-            // `time` must be RFC 3339; `data` keeps the original value.
-            tracing::debug!(tenant = change.stream.tenant, resource = %change.stream.resource,
-                record = change.record_id, updated_at = t,
-                "updated_at is not RFC 3339; the event's time is the detection time");
-            metrics::counter!(crate::telemetry::metric::UNREADABLE_UPDATED_AT,
-                "tenant" => change.stream.tenant.to_string(),
-                "resource" => change.stream.resource.as_str())
-            .increment(1);
-            detected = format_time(change.detected_at);
-            &detected
-        }
-        _ => {
+    let time = match change.updated_at.filter(|_| change.op != Op::Delete) {
+        Some(t) if is_rfc3339(t) => t,
+        unreadable => {
+            if let Some(t) = unreadable {
+                // `time` must be RFC 3339; `data` keeps the original value.
+                tracing::debug!(tenant = change.stream.tenant, resource = %change.stream.resource,
+                    record = change.record_id, updated_at = t,
+                    "updated_at is not RFC 3339; the event's time is the detection time");
+                metrics::counter!(crate::telemetry::metric::UNREADABLE_UPDATED_AT,
+                    "tenant" => change.stream.tenant.to_string(),
+                    "resource" => change.stream.resource.as_str())
+                .increment(1);
+            }
             detected = format_time(change.detected_at);
             &detected
         }
