@@ -224,6 +224,19 @@ fn put_record(out: &mut Vec<u8>, state: &RecordState) {
     }
 }
 
+/// Appends one record state, encoded as a bucket holds it.
+pub(crate) fn append_record(out: &mut Vec<u8>, state: &RecordState) {
+    put_record(out, state);
+}
+
+/// Decodes one record state written by [`append_record`]; None when the
+/// bytes are malformed or hold more than it.
+pub(crate) fn decode_record(bytes: &[u8]) -> Option<RecordState> {
+    let mut r = Reader { bytes };
+    let state = read_record(&mut r)?;
+    r.finish(state)
+}
+
 /// Encodes a bucket.
 pub(crate) fn encode_bucket(bucket: &Bucket, out: &mut Vec<u8>) {
     out.clear();

@@ -9,6 +9,7 @@
 
 mod acked;
 mod codec;
+mod fresh;
 mod journal;
 pub mod ledger;
 mod sled_store;

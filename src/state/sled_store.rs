@@ -22,6 +22,7 @@ use super::codec::{
     self, Bucket, EncodedVersion, KIND_COUNT, KIND_DEAD_LETTER, KIND_JOURNAL, KIND_RECORD,
     KIND_SHAPE, KIND_TOMBSTONE, KIND_VERSION,
 };
+use super::fresh::{FreshOffset, FreshRecords, FreshStream};
 use super::journal::{JournalPlan, StreamJournal};
 use super::{
     Acked, DeadLetter, DeleteCommit, IdMap, IdSet, Intent, PageCommit, RecordState, StateError,
@@ -115,6 +116,18 @@ const SETTLE_AT_ONCE: StageLimits = StageLimits {
 struct Staged {
     /// Their writes, later pages' over earlier ones'.
     writes: Writes,
+    /// The records committed to a stream that started empty ([`FreshStream`]),
+    /// in commit order, the later of an id's twice: merged into their stored
+    /// buckets when the group is written (sorted by bucket then), so that
+    /// committing them reads no bucket for a new id. One compact list: a
+    /// first sync's group puts one or two records in each bucket it touches,
+    /// and a list per bucket cost 300 bytes each. A bucket is never both
+    /// here and in `writes`: such a stream stages no bucket whole, a bucket
+    /// loaded to be staged whole writes the group first, and a record of a
+    /// bucket `writes` holds goes into its value.
+    fresh: FreshRecords,
+    /// The slots of each bucket that `fresh` holds records of (bit `slot`).
+    fresh_buckets: IdMap<u32>,
     /// How many page commits they hold.
     pages: usize,
     /// Bytes of the keys and values of `writes`.
@@ -128,26 +141,95 @@ impl Staged {
     fn new() -> Staged {
         Staged {
             writes: Writes::default(),
+            fresh: FreshRecords::default(),
+            fresh_buckets: IdMap::default(),
             pages: 0,
             bytes: 0,
             since: Instant::now(),
         }
     }
 
-    /// Adds one page's writes, which win over the staged ones.
-    fn add(&mut self, later: Writes) {
-        let len = |v: &Option<sled::IVec>| v.as_ref().map_or(0, |v| v.len());
+    /// Adds one page's writes, which win over the staged ones, and its
+    /// records staged alone (`fresh`, later ones winning).
+    /// Each bucket it starts to stage records alone for counts
+    /// `bucket_bytes` more: what writing that bucket is expected to cost.
+    fn add(
+        &mut self,
+        stream: StreamKey,
+        later: Writes,
+        fresh: Vec<(i64, RecordState)>,
+        bucket_bytes: usize,
+    ) -> Result<(), Undecodable> {
         for (k, v) in later.0 {
-            let (key_len, new_len) = (k.len(), len(&v));
-            match self.writes.0.insert(k, v) {
-                Some(old) => self.bytes = self.bytes.saturating_sub(len(&old)),
-                None => self.bytes += key_len,
+            self.put(k, v);
+        }
+        let mut value = Vec::new();
+        for (id, record) in fresh {
+            let (number, slot) = codec::bucket_of(id);
+            let k = codec::record_key(KIND_RECORD, stream, number);
+            match self.writes.get(&k) {
+                // The bucket is staged whole: the slot goes into its value.
+                Some(staged) => {
+                    let mut bucket = match staged {
+                        Some(bytes) => codec::decode_bucket(bytes).ok_or(Undecodable)?,
+                        None => Bucket::default(),
+                    };
+                    bucket.slots[slot] = Some(record);
+                    codec::encode_bucket(&bucket, &mut value);
+                    self.put(k[..].into(), Some(value[..].into()));
+                }
+                None => {
+                    let slots = self.fresh_buckets.entry(number).or_insert_with(|| {
+                        self.bytes += FRESH_BUCKET_BYTES + bucket_bytes;
+                        0
+                    });
+                    *slots |= 1 << slot;
+                    let before = self.fresh.bytes();
+                    self.fresh.push(id, &record);
+                    self.bytes += self.fresh.bytes() - before;
+                }
             }
-            self.bytes += new_len;
         }
         self.pages += 1;
+        Ok(())
+    }
+
+    /// The record of `id` staged alone, if it is (the latest, if twice).
+    fn fresh_record(&self, id: i64) -> Result<Option<RecordState>, Undecodable> {
+        let (number, slot) = codec::bucket_of(id);
+        let slots = self.fresh_buckets.get(&number).copied().unwrap_or(0);
+        if slots & (1 << slot) == 0 {
+            return Ok(None);
+        }
+        let latest = self.fresh.ids().filter(|(_, fresh)| *fresh == id).last();
+        match latest {
+            Some((offset, _)) => Ok(Some(self.fresh.get(offset).ok_or(Undecodable)?.1)),
+            None => Ok(None),
+        }
+    }
+
+    /// Stages the write of `k`, over a staged one.
+    fn put(&mut self, k: sled::IVec, v: Option<sled::IVec>) {
+        let len = |v: &Option<sled::IVec>| v.as_ref().map_or(0, |v| v.len());
+        let (key_len, new_len) = (k.len(), len(&v));
+        match self.writes.0.insert(k, v) {
+            Some(old) => self.bytes = self.bytes.saturating_sub(len(&old)),
+            None => self.bytes += key_len,
+        }
+        self.bytes += new_len;
     }
 }
+
+/// A staged value that does not decode (the store names it as corrupt).
+#[derive(Debug)]
+struct Undecodable;
+
+/// Staged bytes counted for each bucket with records staged alone (an entry
+/// of `Staged::fresh_buckets`, with the hash table's slack), besides the
+/// bucket's expected size (`FreshStream::bucket_bytes`): a group is bounded
+/// by the buckets it will write, as when it staged them whole, since sled's
+/// log buffers and node copies grow with the bytes one group writes.
+const FRESH_BUCKET_BYTES: usize = 16;
 
 /// Catalog writes applied together as one sled batch; a key's last write wins.
 /// Keys and values are `IVec`s, as in a `sled::Batch`: the 18-byte keys are
@@ -204,6 +286,47 @@ fn add_to_batch<'w>(
     }
 }
 
+/// One write of a staged group: a staged key's, or a bucket's records
+/// staged alone (merged into the stored bucket when written).
+enum StagedWrite<'w> {
+    Write(&'w sled::IVec, &'w Option<sled::IVec>),
+    Fresh([u8; codec::RECORD_KEY_LEN], &'w [(i64, FreshOffset)]),
+}
+
+impl StagedWrite<'_> {
+    fn key(&self) -> &[u8] {
+        match self {
+            StagedWrite::Write(k, _) => k,
+            StagedWrite::Fresh(k, _) => k,
+        }
+    }
+}
+
+/// `writes` (in key order) and the buckets of records staged alone (`by_bucket`:
+/// their buckets and offsets, sorted) as one list in key order.
+fn merge_fresh<'w>(
+    stream: StreamKey,
+    writes: Vec<(&'w sled::IVec, &'w Option<sled::IVec>)>,
+    by_bucket: &'w [(i64, FreshOffset)],
+) -> Vec<StagedWrite<'w>> {
+    let mut out = Vec::with_capacity(writes.len() + by_bucket.len());
+    let mut fresh = by_bucket
+        .chunk_by(|(a, _), (b, _)| a == b)
+        .map(|records| {
+            let number = records[0].0;
+            StagedWrite::Fresh(codec::record_key(KIND_RECORD, stream, number), records)
+        })
+        .peekable();
+    for (k, v) in writes {
+        while let Some(next) = fresh.next_if(|f| f.key() < &k[..]) {
+            out.push(next);
+        }
+        out.push(StagedWrite::Write(k, v));
+    }
+    out.extend(fresh);
+    out
+}
+
 /// State store backed by a sled database directory.
 pub struct SledStore {
     db: sled::Db,
@@ -214,6 +337,10 @@ pub struct SledStore {
     journals: Mutex<HashMap<StreamKey, Arc<Mutex<StreamJournal>>>>,
     /// Page commits of each stream not yet written to sled (see [`Self::stage`]).
     staged: Mutex<HashMap<StreamKey, Staged>>,
+    /// Per stream touched since the store opened: the ids committed to it
+    /// when it held no record then ([`FreshStream`]), None when it did or
+    /// once the filter was dropped.
+    fresh: Mutex<HashMap<StreamKey, Option<FreshStream>>>,
     /// When staged commits are written (tests use smaller ones).
     limits: StageLimits,
     /// Every commit is synced before it returns (crash tests only: see
@@ -301,6 +428,7 @@ impl SledStore {
             db,
             journals: Mutex::new(HashMap::new()),
             staged: Mutex::new(HashMap::new()),
+            fresh: Mutex::new(HashMap::new()),
             limits: if durable_commits {
                 SETTLE_AT_ONCE
             } else {
@@ -437,7 +565,10 @@ impl SledStore {
     }
 
     /// Reads `k` of stream `stream` as every reader must see it: a staged
-    /// commit's write first, else sled.
+    /// commit's write first, else sled. A record bucket's value leaves out
+    /// its records staged alone ([`Staged::fresh`]): `get_records` and
+    /// [`Self::current_record`] look for those first, and
+    /// [`Self::load_bucket`] writes them before it reads.
     fn read(&self, stream: StreamKey, k: &[u8]) -> Result<Option<sled::IVec>, StateError> {
         if let Some(staged) = lock(&self.staged).get(&stream) {
             if let Some(value) = staged.writes.get(k) {
@@ -453,8 +584,13 @@ impl SledStore {
         let mut staged = lock(&self.staged);
         if let Some(entry) = staged.get(&stream) {
             // Under the lock: a reader sees the writes staged or in sled, never neither.
-            self.write_staged(stream, &entry.writes)?;
+            let bucket_bytes = self.write_staged(stream, entry)?;
             staged.remove(&stream);
+            if let (Some(bytes), Some(Some(fresh))) =
+                (bucket_bytes, lock(&self.fresh).get_mut(&stream))
+            {
+                fresh.bucket_bytes = bytes;
+            }
         }
         Ok(())
     }
@@ -467,15 +603,38 @@ impl SledStore {
     /// between two batches leaves some acknowledged hashes committed while
     /// every intent of the group is still journalled: those events are
     /// published again with their ids, and no intent is ever removed before
-    /// its record's bucket is written.
-    fn write_staged(&self, stream: StreamKey, writes: &Writes) -> Result<(), StateError> {
+    /// its record's bucket is written. Records staged alone are merged into
+    /// their stored buckets here, read in key order; returns the mean size of
+    /// those buckets as written (None when there were none).
+    fn write_staged(
+        &self,
+        stream: StreamKey,
+        staged: &Staged,
+    ) -> Result<Option<usize>, StateError> {
         let count_key = codec::prefix(KIND_COUNT, stream);
-        let (last, body): (Vec<_>, Vec<_>) = writes
+        let (last, body): (Vec<_>, Vec<_>) = staged
+            .writes
             .0
             .iter()
             .partition(|(k, _)| k.first() == Some(&KIND_JOURNAL) || k[..] == count_key[..]);
+        let by_bucket = staged.fresh.by_bucket();
+        let body = merge_fresh(stream, body, &by_bucket);
+        let (mut merged, mut merged_bytes) = (0usize, 0usize);
+        let mut merge = |k: &[u8], records: &[(i64, FreshOffset)]| {
+            let (before, after, value) = self.merged_bucket(k, &staged.fresh, records)?;
+            merged += 1;
+            merged_bytes += value.len();
+            Ok::<_, StateError>((before, after, value))
+        };
         if body.len() <= self.limits.batch_keys {
-            return self.apply_batch(writes.to_batch());
+            let mut batch = staged.writes.to_batch();
+            for item in &body {
+                if let StagedWrite::Fresh(k, records) = item {
+                    batch.insert(&k[..], merge(k, records)?.2);
+                }
+            }
+            self.apply_batch(batch)?;
+            return Ok(merged_bytes.checked_div(merged));
         }
         // The count as of each batch; none while the stream has no count
         // entry on disk (a crash then leaves it missing, and it is counted).
@@ -485,17 +644,31 @@ impl SledStore {
         };
         let chunks: Vec<_> = body.chunks(self.limits.batch_keys).collect();
         for (number, chunk) in chunks.iter().enumerate() {
-            let mut batch = batch_of(chunk.iter().copied());
-            if let Some(count) = count.as_mut() {
-                for (k, v) in chunk
-                    .iter()
-                    .filter(|(k, _)| k.first() == Some(&KIND_RECORD))
-                {
-                    let stored = self.catalog.get(k).map_err(|e| self.err(e))?;
-                    let before = self.bucket_len(k, stored.as_deref())?;
-                    let after = self.bucket_len(k, v.as_deref())?;
+            let mut batch = sled::Batch::default();
+            for item in chunk.iter() {
+                let (before, after) = match item {
+                    StagedWrite::Fresh(k, records) => {
+                        let (before, after, value) = merge(k, records)?;
+                        batch.insert(&k[..], value);
+                        (before, after)
+                    }
+                    StagedWrite::Write(k, v) => {
+                        add_to_batch(&mut batch, [(*k, *v)]);
+                        if count.is_none() || k.first() != Some(&KIND_RECORD) {
+                            continue;
+                        }
+                        let stored = self.catalog.get(k).map_err(|e| self.err(e))?;
+                        (
+                            self.bucket_len(k, stored.as_deref())?,
+                            self.bucket_len(k, v.as_deref())?,
+                        )
+                    }
+                };
+                if let Some(count) = count.as_mut() {
                     *count = (*count + u64::from(after)).saturating_sub(u64::from(before));
                 }
+            }
+            if let Some(count) = count {
                 batch.insert(&count_key[..], &count.to_be_bytes()[..]);
             }
             if number + 1 == chunks.len() {
@@ -511,7 +684,33 @@ impl SledStore {
                 crashpoint::hit(crashpoint::names::BETWEEN_SETTLE_BATCHES);
             }
         }
-        Ok(())
+        Ok(merged_bytes.checked_div(merged))
+    }
+
+    /// The stored bucket of key `k` with the records of `fresh` at `offsets`
+    /// set (in order): its records before and after, and its new value.
+    fn merged_bucket(
+        &self,
+        k: &[u8],
+        fresh: &FreshRecords,
+        offsets: &[(i64, FreshOffset)],
+    ) -> Result<(u32, u32, sled::IVec), StateError> {
+        let mut bucket = match self.catalog.get(k).map_err(|e| self.err(e))? {
+            Some(bytes) => codec::decode_bucket(&bytes)
+                .ok_or_else(|| self.corrupt_value("record bucket", k))?,
+            None => Bucket::default(),
+        };
+        let before = bucket.len();
+        for (_, offset) in offsets {
+            let (id, record) = fresh
+                .get(*offset)
+                .ok_or_else(|| self.corrupt_value("record staged alone", k))?;
+            bucket.slots[codec::bucket_of(id).1] = Some(record);
+        }
+        let mut value = Vec::with_capacity(4 + 32 * 27);
+        codec::encode_bucket(&bucket, &mut value);
+        let len = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        Ok((len(before), len(bucket.len()), value.into()))
     }
 
     /// Applies one sled batch to the catalog (atomic after a crash).
@@ -541,14 +740,98 @@ impl SledStore {
     /// the [`StageLimits`] (checked by [`Self::group_full`]), or before any
     /// other write or scan of the stream, or by `flush`. Every staged commit
     /// was built from its page's acknowledgements and written after its
-    /// page's intents were made durable.
-    fn stage(&self, stream: StreamKey, writes: Writes) {
-        if writes.0.is_empty() {
+    /// page's intents were made durable. `fresh` are records the stream
+    /// never held, staged without their buckets ([`Staged::fresh`]).
+    fn stage(
+        &self,
+        stream: StreamKey,
+        writes: Writes,
+        fresh: Vec<(i64, RecordState)>,
+        bucket_bytes: usize,
+    ) -> Result<(), StateError> {
+        if writes.0.is_empty() && fresh.is_empty() {
             // A page without changes or seen marks: nothing to write.
-            return;
+            return Ok(());
         }
         let mut staged = lock(&self.staged);
-        staged.entry(stream).or_insert_with(Staged::new).add(writes);
+        staged
+            .entry(stream)
+            .or_insert_with(Staged::new)
+            .add(stream, writes, fresh, bucket_bytes)
+            .map_err(|_| {
+                self.corrupt(format!(
+                    "a staged record bucket of stream {stream} does not decode"
+                ))
+            })
+    }
+
+    /// Whether each of `ids` is certainly absent from the stream (never
+    /// committed to it since it was empty: [`FreshStream`]); None when the
+    /// stream held records when this process first touched it, or its filter
+    /// was dropped. `lookups` counts them as reads of known records (which
+    /// end the filter once they mostly find records: the stream's staged
+    /// commits are then written, so that none stays staged alone once its
+    /// commits stage whole buckets); `commit` adds them to the filter, before
+    /// their commit is staged.
+    fn absent_ids(
+        &self,
+        key: StreamKey,
+        ids: &[i64],
+        lookups: bool,
+        commit: bool,
+    ) -> Result<Option<Vec<bool>>, StateError> {
+        let known = lock(&self.fresh).contains_key(&key);
+        if !known {
+            let empty = self.stored_count(key)? == 0;
+            lock(&self.fresh)
+                .entry(key)
+                .or_insert_with(|| empty.then(FreshStream::new));
+        }
+        let mut fresh = lock(&self.fresh);
+        let Some(Some(stream)) = fresh.get_mut(&key) else {
+            return Ok(None);
+        };
+        let mut absent = Vec::with_capacity(ids.len());
+        let mut keep = true;
+        for &id in ids {
+            let may_hold = stream.may_hold(id);
+            absent.push(!may_hold);
+            if commit {
+                stream.committed(id);
+            }
+            if lookups {
+                keep &= stream.looked_up(may_hold);
+            }
+        }
+        if keep {
+            return Ok(Some(absent));
+        }
+        tracing::debug!(stream = %key, "the filter of ids committed since the stream was empty is dropped");
+        fresh.insert(key, None);
+        drop(fresh);
+        self.settle(key)?;
+        Ok(None)
+    }
+
+    /// The committed record of `id` as every reader must see it: staged
+    /// alone, else in its bucket (staged whole or in sled).
+    fn current_record(&self, key: StreamKey, id: i64) -> Result<Option<RecordState>, StateError> {
+        if let Some(record) = self.staged_alone(key, id)? {
+            return Ok(Some(record));
+        }
+        let (bucket, slot) = codec::bucket_of(id);
+        let k = codec::record_key(KIND_RECORD, key, bucket);
+        match self.read(key, &k)? {
+            None => Ok(None),
+            Some(bytes) => codec::bucket_slot(&bytes, slot)
+                .ok_or_else(|| self.corrupt_value("record bucket", &k)),
+        }
+    }
+
+    /// Forgets what is known of the stream's ids (its records were replaced
+    /// or removed other than by commits): checked again on next use.
+    fn forget_fresh(&self, key: StreamKey) {
+        lock(&self.fresh).remove(&key);
     }
 
     /// True when the stream's staged commits have reached one of the limits:
@@ -738,14 +1021,37 @@ impl SledStore {
         Ok(())
     }
 
-    /// Loads the bucket `bucket` of a stream (empty when absent).
+    /// Loads the bucket `bucket` of a stream (empty when absent), to stage
+    /// it whole. Records staged alone are written with their group first:
+    /// a stream stages them only while its filter lives, and the group is
+    /// written when the filter is dropped, so this does not happen (a
+    /// bucket staged whole must hold them).
     fn load_bucket(&self, key: StreamKey, bucket: i64) -> Result<Bucket, StateError> {
         let k = codec::record_key(KIND_RECORD, key, bucket);
+        let staged_alone = lock(&self.staged)
+            .get(&key)
+            .is_some_and(|staged| staged.fresh_buckets.contains_key(&bucket));
+        if staged_alone {
+            self.settle(key)?;
+        }
         match self.read(key, &k)? {
             None => Ok(Bucket::default()),
             Some(v) => {
                 codec::decode_bucket(&v).ok_or_else(|| self.corrupt_value("record bucket", &k))
             }
+        }
+    }
+
+    /// The record of `id` staged alone for the stream, if it is.
+    fn staged_alone(&self, key: StreamKey, id: i64) -> Result<Option<RecordState>, StateError> {
+        match lock(&self.staged).get(&key) {
+            Some(staged) => staged.fresh_record(id).map_err(|_| {
+                self.corrupt_value(
+                    "record staged alone",
+                    &codec::record_key(KIND_RECORD, key, id),
+                )
+            }),
+            None => Ok(None),
         }
     }
 
@@ -975,10 +1281,22 @@ impl StateStore for SledStore {
         key: StreamKey,
         ids: &[i64],
     ) -> Result<Vec<Option<RecordState>>, StateError> {
-        // Each bucket read once, as it is stored; one record decoded per id.
+        // Each bucket read once, as it is stored; one record decoded per id;
+        // none read for ids never committed to a stream that started empty.
+        let absent = self
+            .absent_ids(key, ids, true, false)?
+            .unwrap_or_else(|| vec![false; ids.len()]);
         let mut stored: BTreeMap<i64, Option<sled::IVec>> = BTreeMap::new();
         let mut out = Vec::with_capacity(ids.len());
-        for &id in ids {
+        for (&id, absent) in ids.iter().zip(absent) {
+            if absent {
+                out.push(None);
+                continue;
+            }
+            if let Some(record) = self.staged_alone(key, id)? {
+                out.push(Some(record));
+                continue;
+            }
             let (bucket, slot) = codec::bucket_of(id);
             let k = codec::record_key(KIND_RECORD, key, bucket);
             let bytes = match stored.entry(bucket) {
@@ -1127,25 +1445,54 @@ impl StateStore for SledStore {
             // for every record: dense, remove each (what a scan falls back to).
             batch.remove_ids(KIND_VERSION, key, &ids);
         }
-        for (id, record) in commits {
-            let (bucket, slot) = self.bucket_for(&mut buckets, key, *id)?;
-            if bucket.slots[slot].replace(*record).is_none() {
-                added += 1;
-            }
-            dirty.insert(codec::bucket_of(*id).0);
-        }
         self.add_dead_letters(&mut batch, key, dead_letters)?;
         let mut new_shapes = NewShapes::new();
         for (id, version) in versions {
             self.add_version(&mut batch, key, (*id, version), false, &mut new_shapes)?;
         }
-        let committed: IdSet = commits.iter().map(|(id, _)| *id).collect();
-        for id in seen.iter().filter(|id| !committed.contains(id)) {
-            let (bucket, slot) = self.bucket_for(&mut buckets, key, *id)?;
-            if let Some(record) = bucket.slots[slot].as_mut() {
-                if record.seen_epoch != epoch {
-                    record.seen_epoch = epoch;
-                    dirty.insert(codec::bucket_of(*id).0);
+        let committed: IdSet = ids.iter().copied().collect();
+        let mut fresh = Vec::new();
+        if let Some(absent) = self.absent_ids(key, &ids, false, true)? {
+            // A stream that started empty: every record is staged alone, and
+            // only ids its filter may hold are looked up (a bucket read each).
+            let seen_absent = self
+                .absent_ids(key, seen, false, false)?
+                .unwrap_or_else(|| vec![false; seen.len()]);
+            let mut counted = IdSet::default();
+            for ((id, record), absent) in commits.iter().zip(absent) {
+                let held = !absent && self.current_record(key, *id)?.is_some();
+                if !held && counted.insert(*id) {
+                    added += 1;
+                }
+                fresh.push((*id, *record));
+            }
+            for (id, _) in seen
+                .iter()
+                .zip(seen_absent)
+                .filter(|(id, absent)| !absent && !committed.contains(id))
+            {
+                if let Some(mut record) = self.current_record(key, *id)? {
+                    if record.seen_epoch != epoch {
+                        record.seen_epoch = epoch;
+                        fresh.push((*id, record));
+                    }
+                }
+            }
+        } else {
+            for (id, record) in commits {
+                let (bucket, slot) = self.bucket_for(&mut buckets, key, *id)?;
+                if bucket.slots[slot].replace(*record).is_none() {
+                    added += 1;
+                }
+                dirty.insert(codec::bucket_of(*id).0);
+            }
+            for id in seen.iter().filter(|id| !committed.contains(id)) {
+                let (bucket, slot) = self.bucket_for(&mut buckets, key, *id)?;
+                if let Some(record) = bucket.slots[slot].as_mut() {
+                    if record.seen_epoch != epoch {
+                        record.seen_epoch = epoch;
+                        dirty.insert(codec::bucket_of(*id).0);
+                    }
                 }
             }
         }
@@ -1154,7 +1501,11 @@ impl StateStore for SledStore {
             let count = self.stored_count(key)?.saturating_add(added);
             Self::write_count(&mut batch, key, count);
         }
-        self.stage(key, batch);
+        let bucket_bytes = lock(&self.fresh)
+            .get(&key)
+            .and_then(Option::as_ref)
+            .map_or(0, |fresh| fresh.bucket_bytes);
+        self.stage(key, batch, fresh, bucket_bytes)?;
         journal.apply(&plan);
         self.learn_shapes(new_shapes);
         if self.group_full(key) {
@@ -1294,6 +1645,7 @@ impl SledStore {
         self.apply(batch)?;
         journals.remove(&key);
         self.forget_shapes(key);
+        self.forget_fresh(key);
         self.streams
             .remove(codec::stream_key(key))
             .map_err(|e| self.err(e))?;
@@ -1336,6 +1688,7 @@ impl SledStore {
         }
         let mut journals = lock(&self.journals);
         self.apply(batch)?;
+        self.forget_fresh(key);
         self.learn_shapes(new_shapes);
         // Loaded again from the entries just written on first use.
         journals.remove(&key);
@@ -1969,17 +2322,35 @@ mod tests {
         (counts, last_bucket, first_journal)
     }
 
+    /// Makes the store treat `key` as a stream that held records when first
+    /// touched: its commits read and stage whole buckets.
+    fn without_fresh_path(store: &SledStore, key: StreamKey) {
+        lock(&store.fresh).insert(key, None);
+    }
+
     #[test]
     fn a_group_too_large_for_one_batch_is_written_buckets_first_each_batch_with_its_count_journal_last(
     ) {
+        // Records staged with their buckets, and staged alone (new to a stream that started empty).
+        for whole in [true, false] {
+            a_group_too_large_for_one_batch_is_written_in_order(whole);
+        }
+    }
+
+    fn a_group_too_large_for_one_batch_is_written_in_order(whole: bool) {
         let store = store_with(NEVER);
+        if whole {
+            without_fresh_path(&store, VOUCHERS);
+        }
         // On disk first: the count entry, and a record in each of buckets
         // 0..10, which the group then adds a second record to.
         let first: Vec<_> = (0..10).map(|b| (b * 32 + 31, record(1, 0))).collect();
         store.commit_records(VOUCHERS, &first, &[], 0).unwrap();
         store.flush().unwrap();
         let ids = stage_three_wide_pages(&store, VOUCHERS);
-        assert!(lock(&store.staged)[&VOUCHERS].writes.0.len() > 2 * NEVER.batch_keys);
+        let (alone, staged_whole) = staged_buckets(&store, VOUCHERS);
+        let staged = if whole { staged_whole } else { alone };
+        assert_eq!(staged, (0..150).collect::<Vec<i64>>(), "whole: {whole}");
         let (counts, last_bucket, first_journal) = watch_settle(&store, VOUCHERS);
         // Batches of 64 buckets, the last with the journal removals (which
         // sled applies in key order, so ahead of the buckets in that batch).
@@ -2026,16 +2397,37 @@ mod tests {
             writes
         };
         let mut staged = Staged::new();
-        staged.add(write(&[(b"key-a", Some(&[0; 30])), (b"key-b", None)]));
-        assert_eq!(staged.bytes, 5 + 30 + 5);
-        staged.add(write(&[
-            (b"key-a", Some(&[0; 10])),
-            (b"key-c", Some(&[0; 4])),
-        ]));
-        assert_eq!(staged.bytes, 5 + 10 + 5 + 5 + 4);
-        staged.add(write(&[(b"key-a", None), (b"key-b", Some(&[0; 7]))]));
-        assert_eq!(staged.bytes, 5 + 5 + 7 + 5 + 4);
-        assert_eq!(staged.pages, 3);
+        let mut add = |writes: Writes, fresh: &[i64]| {
+            let fresh = fresh.iter().map(|&id| (id, record(1, 0))).collect();
+            staged.add(VOUCHERS, writes, fresh, 0).unwrap();
+            staged.bytes
+        };
+        assert_eq!(
+            add(write(&[(b"key-a", Some(&[0; 30])), (b"key-b", None)]), &[]),
+            5 + 30 + 5
+        );
+        assert_eq!(
+            add(
+                write(&[(b"key-a", Some(&[0; 10])), (b"key-c", Some(&[0; 4]))]),
+                &[]
+            ),
+            5 + 10 + 5 + 5 + 4
+        );
+        let whole = 5 + 5 + 7 + 5 + 4;
+        assert_eq!(
+            add(write(&[(b"key-a", None), (b"key-b", Some(&[0; 7]))]), &[]),
+            whole
+        );
+        // Records staged alone: each its bytes, each bucket once more.
+        let mut alone = FreshRecords::default();
+        for id in [1, 2, 40] {
+            alone.push(id, &record(1, 0));
+        }
+        assert_eq!(
+            add(Writes::default(), &[1, 2, 40]),
+            whole + alone.bytes() + 2 * FRESH_BUCKET_BYTES
+        );
+        assert_eq!(staged.pages, 4);
     }
 
     #[test]
@@ -2340,7 +2732,7 @@ mod tests {
 
         #[test]
         fn the_store_behaves_like_a_map_of_records_intents_tombstones_dead_letters_and_versions(
-            ops in proptest::collection::vec(op_strategy(), 1..25)
+            ops in proptest::collection::vec((op_strategy(), proptest::prelude::any::<bool>()), 1..25)
         ) {
             use std::collections::BTreeMap;
             // Groups end only on a settle, and are written two keys a batch:
@@ -2352,7 +2744,7 @@ mod tests {
             let mut letters: BTreeMap<i64, DeadLetter> = BTreeMap::new();
             let mut versions: BTreeMap<i64, StoredVersion> = BTreeMap::new();
             let steps = ops.len();
-            for (step, op) in ops.into_iter().enumerate() {
+            for (step, (op, check)) in ops.into_iter().enumerate() {
                 match op {
                     Op::Intents(list) => {
                         let list: Vec<_> = list.into_iter().map(|(id, b)| (id, intent(b))).collect();
@@ -2409,6 +2801,10 @@ mod tests {
                             versions.remove(id);
                         }
                     }
+                }
+                if !check && step + 1 < steps {
+                    // Unread, the next commits stage over this one's.
+                    continue;
                 }
                 let ids: Vec<i64> = (-70..70).collect();
                 let expected: Vec<_> = ids.iter().map(|id| versions.get(id).cloned()).collect();
@@ -2920,6 +3316,193 @@ mod tests {
             generation: (id % 3) as u32,
             seq: id as u64 + 1,
         }
+    }
+
+    /// The buckets of `key` whose records are staged alone, and those staged whole.
+    fn staged_buckets(store: &SledStore, key: StreamKey) -> (Vec<i64>, Vec<i64>) {
+        let staged = lock(&store.staged);
+        let Some(entry) = staged.get(&key) else {
+            return (Vec::new(), Vec::new());
+        };
+        let whole = entry
+            .writes
+            .0
+            .keys()
+            .filter(|k| k.first() == Some(&KIND_RECORD))
+            .filter_map(|k| codec::key_id(k))
+            .collect();
+        let mut fresh: Vec<i64> = entry.fresh_buckets.keys().copied().collect();
+        fresh.sort_unstable();
+        (fresh, whole)
+    }
+
+    /// Journals and commits `ids` as one page, each as `numbered(id)` with `seq` added.
+    fn commit_numbered(store: &SledStore, key: StreamKey, ids: &[i64], seq: u64) {
+        let intents: Vec<_> = ids.iter().map(|&id| (id, intent(1))).collect();
+        store.write_intents(key, &intents).unwrap();
+        let commits: Vec<_> = ids
+            .iter()
+            .map(|&id| {
+                let mut r = numbered(id);
+                r.seq += seq;
+                (id, r)
+            })
+            .collect();
+        store.commit_records(key, &commits, &[], 0).unwrap();
+    }
+
+    /// Each of `ids` read back as `numbered(id)` with `seq` added, and the count.
+    fn assert_numbered(store: &SledStore, key: StreamKey, ids: &[(i64, u64)], count: u64) {
+        let only: Vec<i64> = ids.iter().map(|(id, _)| *id).collect();
+        let read = store.get_records(key, &only).unwrap();
+        for ((id, seq), got) in ids.iter().zip(read) {
+            let mut want = numbered(*id);
+            want.seq += seq;
+            assert_eq!(got, Some(want), "record {id}");
+        }
+        assert_eq!(store.record_count(key).unwrap(), count);
+    }
+
+    #[test]
+    fn records_new_to_a_stream_that_started_empty_are_staged_without_their_buckets_and_read_back_everywhere(
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state");
+        let mut store = reopen(&path).unwrap();
+        store.limits = NEVER;
+        // Two pages of ids spread over six buckets, none read or staged whole.
+        let first: Vec<i64> = (0..12).map(|n| n * 17).collect();
+        let second: Vec<i64> = (0..12).map(|n| n * 17 + 5).collect();
+        commit_numbered(&store, VOUCHERS, &first, 0);
+        commit_numbered(&store, VOUCHERS, &second, 0);
+        let (fresh, whole) = staged_buckets(&store, VOUCHERS);
+        assert_eq!(fresh, (0..=6).collect::<Vec<i64>>());
+        assert!(whole.is_empty(), "{whole:?}");
+        assert_eq!(store.record_count(VOUCHERS).unwrap(), 24);
+        assert_eq!(
+            store.get_records(VOUCHERS, &[1, 2, 1000]).unwrap(),
+            vec![None, None, None]
+        );
+        // A known id is looked up (staged alone here) and staged alone again.
+        commit_numbered(&store, VOUCHERS, &[17, 300], 100);
+        let (fresh, whole) = staged_buckets(&store, VOUCHERS);
+        assert_eq!((fresh, whole), (vec![0, 1, 2, 3, 4, 5, 6, 9], vec![]));
+        let mut expected: Vec<(i64, u64)> =
+            first.iter().chain(&second).map(|&id| (id, 0)).collect();
+        expected.retain(|(id, _)| *id != 17);
+        expected.extend([(17, 100), (300, 100)]);
+        assert_numbered(&store, VOUCHERS, &expected, 25);
+        // The same after the group is written and the store reopened.
+        drop(store);
+        let store = reopen(&path).unwrap();
+        assert_numbered(&store, VOUCHERS, &expected, 25);
+        assert!(store.pending_intents(VOUCHERS).unwrap().is_empty());
+        let mut dumped: Vec<i64> = store
+            .dump_stream(VOUCHERS)
+            .unwrap()
+            .records
+            .iter()
+            .map(|(id, _)| *id)
+            .collect();
+        dumped.sort_unstable();
+        let mut ids: Vec<i64> = expected.iter().map(|(id, _)| *id).collect();
+        ids.sort_unstable();
+        assert_eq!(dumped, ids);
+    }
+
+    #[test]
+    fn a_stream_holding_records_when_the_store_opens_reads_the_bucket_of_every_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state");
+        {
+            let store = reopen(&path).unwrap();
+            commit_numbered(&store, VOUCHERS, &[1, 2, 3], 0);
+        }
+        let mut store = reopen(&path).unwrap();
+        store.limits = NEVER;
+        commit_numbered(&store, VOUCHERS, &[4, 40], 0);
+        assert_eq!(staged_buckets(&store, VOUCHERS), (vec![], vec![0, 1]));
+        assert_numbered(
+            &store,
+            VOUCHERS,
+            &[(1, 0), (2, 0), (3, 0), (4, 0), (40, 0)],
+            5,
+        );
+        // Another stream, empty, stages its records alone.
+        commit_numbered(&store, CATEGORIES, &[4, 40], 0);
+        assert_eq!(staged_buckets(&store, CATEGORIES), (vec![0, 1], vec![]));
+    }
+
+    #[test]
+    fn a_record_staged_alone_in_a_bucket_staged_whole_goes_into_the_staged_value() {
+        let mut staged = Staged::new();
+        let mut whole = Bucket::default();
+        whole.slots[1] = Some(numbered(1));
+        let mut value = Vec::new();
+        codec::encode_bucket(&whole, &mut value);
+        let mut writes = Writes::default();
+        writes.insert(codec::record_key(KIND_RECORD, VOUCHERS, 0), value);
+        staged
+            .add(
+                VOUCHERS,
+                writes,
+                vec![(2, numbered(2)), (33, numbered(33))],
+                0,
+            )
+            .unwrap();
+        let k = codec::record_key(KIND_RECORD, VOUCHERS, 0);
+        let merged = codec::decode_bucket(staged.writes.get(&k).unwrap().unwrap()).unwrap();
+        assert_eq!(merged.slots[1], Some(numbered(1)));
+        assert_eq!(merged.slots[2], Some(numbered(2)));
+        assert_eq!(
+            staged.fresh_buckets.keys().copied().collect::<Vec<_>>(),
+            vec![1]
+        );
+        assert_eq!(staged.fresh_record(33).unwrap(), Some(numbered(33)));
+        assert_eq!(staged.fresh_record(2).unwrap(), None);
+    }
+
+    #[test]
+    fn a_stream_whose_reads_mostly_find_records_drops_its_filter_and_writes_what_it_staged_alone() {
+        let store = store_with(NEVER);
+        let ids: Vec<i64> = (0..100).collect();
+        commit_numbered(&store, VOUCHERS, &ids, 0);
+        assert_eq!(staged_buckets(&store, VOUCHERS).0, vec![0, 1, 2, 3]);
+        // A later sweep: reads of known records, 4,096 and more.
+        for _ in 0..41 {
+            let read = store.get_records(VOUCHERS, &ids).unwrap();
+            assert!(read.iter().all(Option::is_some));
+        }
+        assert_eq!(staged_buckets(&store, VOUCHERS), (vec![], vec![]));
+        assert!(matches!(lock(&store.fresh).get(&VOUCHERS), Some(None)));
+        // Its commits now read and stage whole buckets.
+        commit_numbered(&store, VOUCHERS, &[5, 100], 3);
+        assert_eq!(staged_buckets(&store, VOUCHERS), (vec![], vec![0, 3]));
+        let mut expected: Vec<(i64, u64)> = ids.iter().map(|&id| (id, 0)).collect();
+        expected[5].1 = 3;
+        expected.push((100, 3));
+        assert_numbered(&store, VOUCHERS, &expected, 101);
+    }
+
+    #[test]
+    fn a_stream_restored_or_forgotten_after_commits_counts_and_keeps_the_records_it_then_holds() {
+        let store = store_with(NEVER);
+        commit_numbered(&store, VOUCHERS, &[1], 0);
+        let dump = StreamDump {
+            records: [1, 2, 3].iter().map(|&id| (id, numbered(id))).collect(),
+            ..StreamDump::default()
+        };
+        store.restore_stream(VOUCHERS, &dump).unwrap();
+        // 2 was never committed here, but the restored stream holds it.
+        commit_numbered(&store, VOUCHERS, &[2, 4], 9);
+        assert_numbered(&store, VOUCHERS, &[(1, 0), (2, 9), (3, 0), (4, 9)], 4);
+        assert_eq!(store.forget_stream(VOUCHERS).unwrap(), 4);
+        commit_numbered(&store, VOUCHERS, &[3], 0);
+        assert_numbered(&store, VOUCHERS, &[(3, 0)], 1);
+        assert_eq!(
+            store.get_records(VOUCHERS, &[1, 2, 4]).unwrap(),
+            vec![None, None, None]
+        );
     }
 
     #[test]
