@@ -8,7 +8,7 @@ use clap::Parser;
 use voucher_cdc::cli::{self, Cli};
 
 fn main() -> ExitCode {
-    limit_malloc_arenas();
+    tune_malloc();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
@@ -40,22 +40,35 @@ fn main() -> ExitCode {
     std::process::exit(i32::from(code))
 }
 
-/// Caps glibc's malloc at two arenas unless `MALLOC_ARENA_MAX` says
-/// otherwise: its default (eight per core) gives sled's and tokio's threads
-/// arenas of their own, about 3 MiB more max RSS on a first sync for no
-/// CPU measured (docs/performance.md, session F).
+/// Tunes glibc's malloc unless its environment variables say otherwise:
+///
+/// - two arenas (`MALLOC_ARENA_MAX`): its default (eight per core) gives
+///   sled's and tokio's threads arenas of their own, about 3 MiB more max RSS
+///   on a first sync for no CPU measured (docs/performance.md, session F);
+/// - blocks of 128 KiB and more always mapped (`MALLOC_MMAP_THRESHOLD_`):
+///   by default glibc raises that threshold to the size of every large block
+///   it frees (up to 32 MiB), after which sled's 512 KiB log buffers, page
+///   bodies and staged commits come and go on the heap, which keeps their
+///   space: a million-record first sync peaked at 54-86 MiB instead of 44-66
+///   (docs/performance.md, session O).
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn limit_malloc_arenas() {
-    if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
-        // SAFETY: mallopt only sets an allocator parameter, and it runs
-        // before any other thread exists.
-        #[allow(unsafe_code)]
-        unsafe {
-            libc::mallopt(libc::M_ARENA_MAX, 2);
+fn tune_malloc() {
+    let settings = [
+        ("MALLOC_ARENA_MAX", libc::M_ARENA_MAX, 2),
+        ("MALLOC_MMAP_THRESHOLD_", libc::M_MMAP_THRESHOLD, 128 * 1024),
+    ];
+    for (variable, parameter, value) in settings {
+        if std::env::var_os(variable).is_none() {
+            // SAFETY: mallopt only sets an allocator parameter, and it runs
+            // before any other thread exists.
+            #[allow(unsafe_code)]
+            unsafe {
+                libc::mallopt(parameter, value);
+            }
         }
     }
 }
 
 /// Other allocators keep their defaults.
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn limit_malloc_arenas() {}
+fn tune_malloc() {}
