@@ -15,8 +15,8 @@
 //! "absent" for a committed id.
 //!
 //! The filter is dropped when it stops paying: once most looked-up ids turn
-//! out to be known (the stream's first sync is over), or when it outgrows
-//! [`MAX_FILTER_BYTES`]. [`FreshRecords`] holds the records a store
+//! out to be known (the stream's first sync is over), or when it would
+//! outgrow [`MAX_FILTER_BYTES`]. [`FreshRecords`] holds the records a store
 //! stages alone. Pure logic, no I/O.
 
 use super::codec;
@@ -33,7 +33,9 @@ const FIRST_LAYER_FP_RATE: f64 = 0.004;
 /// Each layer's false-positive rate against the one before it.
 const FP_RATE_RATIO: f64 = 0.8;
 
-/// A filter this large is dropped (about 4.5 million ids at under 2 bytes an id).
+/// A filter is dropped rather than grown past this (at about 4.2 million
+/// ids: each layer doubles, and a filter takes 2 to 4 bytes an id, under 2
+/// when its newest layer is nearly full).
 pub(crate) const MAX_FILTER_BYTES: usize = 8 << 20;
 
 /// Looked-up ids per window of [`FreshStream::looked_up`]: when more than
@@ -65,16 +67,22 @@ struct Layer {
 impl Layer {
     /// A layer for `capacity` ids at false-positive rate `fp_rate`.
     fn new(capacity: usize, fp_rate: f64) -> Layer {
-        let ln2 = std::f64::consts::LN_2;
-        let bits_per_id = -fp_rate.ln() / (ln2 * ln2);
-        let bits = ((capacity as f64 * bits_per_id).ceil() as usize).max(64);
-        let probes = ((bits_per_id * ln2).round() as u32).clamp(1, 32);
+        let (words, probes) = Layer::size(capacity, fp_rate);
         Layer {
-            bits: vec![0; bits.div_ceil(64)],
+            bits: vec![0; words],
             probes,
             capacity,
             len: 0,
         }
+    }
+
+    /// The 64-bit words and probes a layer for `capacity` ids at `fp_rate` takes.
+    fn size(capacity: usize, fp_rate: f64) -> (usize, u32) {
+        let ln2 = std::f64::consts::LN_2;
+        let bits_per_id = -fp_rate.ln() / (ln2 * ln2);
+        let bits = ((capacity as f64 * bits_per_id).ceil() as usize).max(64);
+        let probes = ((bits_per_id * ln2).round() as u32).clamp(1, 32);
+        (bits.div_ceil(64), probes)
     }
 
     /// The bit positions of an id's hash (double hashing).
@@ -134,21 +142,40 @@ impl IdFilter {
         if self.layers.iter().any(|layer| layer.contains(hash)) {
             return;
         }
-        let full = self
-            .layers
-            .last()
-            .is_none_or(|layer| layer.len >= layer.capacity);
-        if full {
-            let depth = self.layers.len();
-            let capacity = FIRST_LAYER_IDS << depth.min(40);
-            let depth_exponent = i32::try_from(depth).unwrap_or(i32::MAX);
-            let fp_rate = FIRST_LAYER_FP_RATE * FP_RATE_RATIO.powi(depth_exponent);
+        if let Some((capacity, fp_rate)) = self.next_layer() {
             self.layers.push(Layer::new(capacity, fp_rate));
         }
         if let Some(layer) = self.layers.last_mut() {
             layer.insert(hash);
         }
         self.inserted += 1;
+    }
+
+    /// The capacity and false-positive rate of the layer the next new id
+    /// needs, when the last layer is full.
+    fn next_layer(&self) -> Option<(usize, f64)> {
+        let full = self
+            .layers
+            .last()
+            .is_none_or(|layer| layer.len >= layer.capacity);
+        if !full {
+            return None;
+        }
+        let depth = self.layers.len();
+        let capacity = FIRST_LAYER_IDS << depth.min(40);
+        let depth_exponent = i32::try_from(depth).unwrap_or(i32::MAX);
+        Some((
+            capacity,
+            FIRST_LAYER_FP_RATE * FP_RATE_RATIO.powi(depth_exponent),
+        ))
+    }
+
+    /// Bytes the filter would take once it holds one more new id.
+    pub(crate) fn bytes_with_one_more(&self) -> usize {
+        let grown = self.next_layer().map_or(0, |(capacity, fp_rate)| {
+            Layer::size(capacity, fp_rate).0 * 8
+        });
+        self.bytes() + grown
     }
 
     /// Ids inserted (those the filter already seemed to hold not counted).
@@ -192,15 +219,22 @@ impl FreshStream {
         self.committed.may_contain(id)
     }
 
-    /// Records that `id` is being committed to the stream.
-    pub(crate) fn committed(&mut self, id: i64) {
+    /// Records that `id` is being committed to the stream; false (and
+    /// nothing recorded) when the filter would grow past
+    /// [`MAX_FILTER_BYTES`]: it must then be dropped before the commit.
+    pub(crate) fn committed(&mut self, id: i64) -> bool {
+        if !self.committed.may_contain(id)
+            && self.committed.bytes_with_one_more() > MAX_FILTER_BYTES
+        {
+            return false;
+        }
         self.committed.insert(id);
+        true
     }
 
     /// Counts one lookup of an id the filter `known` may hold; false when the
     /// filter is no longer worth keeping: more than half of a window's ids
-    /// were known (the stream's first sync is over), or it grew past
-    /// [`MAX_FILTER_BYTES`].
+    /// were known (the stream's first sync is over).
     pub(crate) fn looked_up(&mut self, known: bool) -> bool {
         self.window_lookups += 1;
         self.window_known += u32::from(known);
@@ -212,7 +246,7 @@ impl FreshStream {
                 return false;
             }
         }
-        self.committed.bytes() <= MAX_FILTER_BYTES
+        true
     }
 
     /// Ids committed since the stream was empty (as the filter counts them).
@@ -355,7 +389,7 @@ mod tests {
     fn a_fresh_stream_is_dropped_once_most_ids_of_a_window_are_known() {
         let mut stream = FreshStream::new();
         for id in 0..10_000 {
-            stream.committed(id);
+            assert!(stream.committed(id));
         }
         assert_eq!(
             stream.len(),
@@ -374,6 +408,22 @@ mod tests {
             })
             .expect("mostly known lookups drop the filter");
         assert!(dropped_at < i64::from(WINDOW));
+    }
+
+    #[test]
+    fn a_stream_refuses_the_id_that_would_grow_its_filter_past_the_cap() {
+        let mut stream = FreshStream::new();
+        let refused = (0..5_000_000i64)
+            .find(|&id| !stream.committed(id))
+            .expect("the cap is reached before 5 million ids");
+        assert!(
+            (4_000_000..4_300_000).contains(&refused),
+            "refused at id {refused}"
+        );
+        assert!(stream.committed.bytes() <= MAX_FILTER_BYTES);
+        assert!(!stream.may_hold(refused));
+        // An id it holds is still accepted (nothing to grow).
+        assert!(stream.committed(0));
     }
 
     #[test]
@@ -435,7 +485,7 @@ mod tests {
         fn every_committed_id_may_be_held(ids in proptest::collection::vec(any::<i64>(), 0..3000)) {
             let mut stream = FreshStream::new();
             for &id in &ids {
-                stream.committed(id);
+                prop_assert!(stream.committed(id));
             }
             for &id in &ids {
                 prop_assert!(stream.may_hold(id));

@@ -160,35 +160,46 @@ impl Staged {
         fresh: Vec<(i64, RecordState)>,
         bucket_bytes: usize,
     ) -> Result<(), Undecodable> {
+        // First what can fail, so that a failure stages nothing of the page:
+        // records of a bucket staged whole (by this page or before) go into
+        // its value.
+        let mut into_whole: BTreeMap<[u8; codec::RECORD_KEY_LEN], Bucket> = BTreeMap::new();
+        let mut alone = Vec::with_capacity(fresh.len());
+        for (id, record) in fresh {
+            let (number, slot) = codec::bucket_of(id);
+            let k = codec::record_key(KIND_RECORD, stream, number);
+            let whole = match into_whole.entry(k) {
+                Entry::Occupied(entry) => Some(entry.into_mut()),
+                Entry::Vacant(entry) => match later.get(&k).or_else(|| self.writes.get(&k)) {
+                    Some(Some(bytes)) => {
+                        Some(entry.insert(codec::decode_bucket(bytes).ok_or(Undecodable)?))
+                    }
+                    Some(None) => Some(entry.insert(Bucket::default())),
+                    None => None,
+                },
+            };
+            match whole {
+                Some(bucket) => bucket.slots[slot] = Some(record),
+                None => alone.push((id, number, slot, record)),
+            }
+        }
         for (k, v) in later.0 {
             self.put(k, v);
         }
         let mut value = Vec::new();
-        for (id, record) in fresh {
-            let (number, slot) = codec::bucket_of(id);
-            let k = codec::record_key(KIND_RECORD, stream, number);
-            match self.writes.get(&k) {
-                // The bucket is staged whole: the slot goes into its value.
-                Some(staged) => {
-                    let mut bucket = match staged {
-                        Some(bytes) => codec::decode_bucket(bytes).ok_or(Undecodable)?,
-                        None => Bucket::default(),
-                    };
-                    bucket.slots[slot] = Some(record);
-                    codec::encode_bucket(&bucket, &mut value);
-                    self.put(k[..].into(), Some(value[..].into()));
-                }
-                None => {
-                    let slots = self.fresh_buckets.entry(number).or_insert_with(|| {
-                        self.bytes += FRESH_BUCKET_BYTES + bucket_bytes;
-                        0
-                    });
-                    *slots |= 1 << slot;
-                    let before = self.fresh.bytes();
-                    self.fresh.push(id, &record);
-                    self.bytes += self.fresh.bytes() - before;
-                }
-            }
+        for (k, bucket) in into_whole {
+            codec::encode_bucket(&bucket, &mut value);
+            self.put(k[..].into(), Some(value[..].into()));
+        }
+        for (id, number, slot, record) in alone {
+            let slots = self.fresh_buckets.entry(number).or_insert_with(|| {
+                self.bytes += FRESH_BUCKET_BYTES + bucket_bytes;
+                0
+            });
+            *slots |= 1 << slot;
+            let before = self.fresh.bytes();
+            self.fresh.push(id, &record);
+            self.bytes += self.fresh.bytes() - before;
         }
         self.pages += 1;
         Ok(())
@@ -769,10 +780,11 @@ impl SledStore {
     /// committed to it since it was empty: [`FreshStream`]); None when the
     /// stream held records when this process first touched it, or its filter
     /// was dropped. `lookups` counts them as reads of known records (which
-    /// end the filter once they mostly find records: the stream's staged
-    /// commits are then written, so that none stays staged alone once its
-    /// commits stage whole buckets); `commit` adds them to the filter, before
-    /// their commit is staged.
+    /// end the filter once they mostly find records); `commit` adds them to
+    /// the filter, before their commit is staged (which ends it when it
+    /// would grow too large). A filter that ends has the stream's staged
+    /// commits written, so that none stays staged alone once its commits
+    /// stage whole buckets.
     fn absent_ids(
         &self,
         key: StreamKey,
@@ -797,7 +809,8 @@ impl SledStore {
             let may_hold = stream.may_hold(id);
             absent.push(!may_hold);
             if commit {
-                stream.committed(id);
+                // Refused when the filter would grow too large: dropped below.
+                keep &= stream.committed(id);
             }
             if lookups {
                 keep &= stream.looked_up(may_hold);
@@ -1022,10 +1035,11 @@ impl SledStore {
     }
 
     /// Loads the bucket `bucket` of a stream (empty when absent), to stage
-    /// it whole. Records staged alone are written with their group first:
-    /// a stream stages them only while its filter lives, and the group is
-    /// written when the filter is dropped, so this does not happen (a
-    /// bucket staged whole must hold them).
+    /// it whole. Records staged alone are written with their group first (a
+    /// bucket staged whole must hold them): a stream stages them only while
+    /// its filter lives, and the group is written when the filter is
+    /// dropped, so this happens only when the filter is dropped between a
+    /// commit's lookups and its staging.
     fn load_bucket(&self, key: StreamKey, bucket: i64) -> Result<Bucket, StateError> {
         let k = codec::record_key(KIND_RECORD, key, bucket);
         let staged_alone = lock(&self.staged)
@@ -1288,20 +1302,33 @@ impl StateStore for SledStore {
             .unwrap_or_else(|| vec![false; ids.len()]);
         let mut stored: BTreeMap<i64, Option<sled::IVec>> = BTreeMap::new();
         let mut out = Vec::with_capacity(ids.len());
+        // One view of the staged commits for every id: a group written
+        // between two ids of a bucket would move a record staged alone into
+        // sled after its bucket was read here without it.
+        let staged = lock(&self.staged);
+        let staged = staged.get(&key);
         for (&id, absent) in ids.iter().zip(absent) {
             if absent {
                 out.push(None);
                 continue;
             }
-            if let Some(record) = self.staged_alone(key, id)? {
-                out.push(Some(record));
-                continue;
-            }
             let (bucket, slot) = codec::bucket_of(id);
             let k = codec::record_key(KIND_RECORD, key, bucket);
+            if let Some(staged) = staged {
+                let alone = staged
+                    .fresh_record(id)
+                    .map_err(|_| self.corrupt_value("record staged alone", &k))?;
+                if let Some(record) = alone {
+                    out.push(Some(record));
+                    continue;
+                }
+            }
             let bytes = match stored.entry(bucket) {
                 Entry::Occupied(entry) => entry.into_mut(),
-                Entry::Vacant(entry) => entry.insert(self.read(key, &k)?),
+                Entry::Vacant(entry) => entry.insert(match staged.and_then(|s| s.writes.get(&k)) {
+                    Some(value) => value.cloned(),
+                    None => self.catalog.get(k).map_err(|e| self.err(e))?,
+                }),
             };
             out.push(match bytes {
                 None => None,
@@ -3460,6 +3487,24 @@ mod tests {
         );
         assert_eq!(staged.fresh_record(33).unwrap(), Some(numbered(33)));
         assert_eq!(staged.fresh_record(2).unwrap(), None);
+    }
+
+    #[test]
+    fn a_page_whose_record_meets_an_undecodable_staged_bucket_stages_nothing() {
+        let mut staged = Staged::new();
+        let mut corrupt = Writes::default();
+        corrupt.insert(codec::record_key(KIND_RECORD, VOUCHERS, 0), vec![0xff; 3]);
+        staged.add(VOUCHERS, corrupt, Vec::new(), 0).unwrap();
+        let (bytes, keys) = (staged.bytes, staged.writes.0.len());
+        let mut page = Writes::default();
+        page.remove(codec::journal_key(VOUCHERS, 7));
+        let fresh = vec![(40, numbered(40)), (2, numbered(2))];
+        assert!(staged.add(VOUCHERS, page, fresh, 0).is_err());
+        assert_eq!(
+            (staged.bytes, staged.writes.0.len(), staged.pages),
+            (bytes, keys, 1)
+        );
+        assert!(staged.fresh_buckets.is_empty());
     }
 
     #[test]
