@@ -85,22 +85,21 @@ impl Layer {
         (bits.div_ceil(64), probes)
     }
 
-    /// The bit positions of an id's hash (double hashing).
-    fn positions(&self, hash: u64) -> impl Iterator<Item = usize> + '_ {
-        let len = (self.bits.len() * 64) as u64;
+    /// The bit positions of an id's hash (double hashing) in a layer of
+    /// `words` words probed `probes` times.
+    fn positions(hash: u64, words: usize, probes: u32) -> impl Iterator<Item = usize> {
+        let len = (words * 64) as u64;
         let (h1, h2) = (hash, hash.rotate_left(32) | 1);
-        (0..u64::from(self.probes))
-            .map(move |i| (h1.wrapping_add(i.wrapping_mul(h2)) % len) as usize)
+        (0..u64::from(probes)).map(move |i| (h1.wrapping_add(i.wrapping_mul(h2)) % len) as usize)
     }
 
     fn contains(&self, hash: u64) -> bool {
-        self.positions(hash)
+        Layer::positions(hash, self.bits.len(), self.probes)
             .all(|bit| self.bits[bit / 64] & (1 << (bit % 64)) != 0)
     }
 
     fn insert(&mut self, hash: u64) {
-        let positions: Vec<usize> = self.positions(hash).collect();
-        for bit in positions {
+        for bit in Layer::positions(hash, self.bits.len(), self.probes) {
             self.bits[bit / 64] |= 1 << (bit % 64);
         }
         self.len += 1;
@@ -136,19 +135,25 @@ impl IdFilter {
         self.layers.iter().any(|layer| layer.contains(hash))
     }
 
-    /// Adds `id` (nothing when the filter may already hold it).
-    pub(crate) fn insert(&mut self, id: i64) {
+    /// Adds `id`: true when the filter did not hold it before, false when
+    /// it may have (nothing added), None (nothing added) when holding it
+    /// would grow the filter past `max_bytes`.
+    pub(crate) fn insert(&mut self, id: i64, max_bytes: usize) -> Option<bool> {
         let hash = hash_id(id);
         if self.layers.iter().any(|layer| layer.contains(hash)) {
-            return;
+            return Some(false);
         }
         if let Some((capacity, fp_rate)) = self.next_layer() {
+            if self.bytes() + Layer::size(capacity, fp_rate).0 * 8 > max_bytes {
+                return None;
+            }
             self.layers.push(Layer::new(capacity, fp_rate));
         }
         if let Some(layer) = self.layers.last_mut() {
             layer.insert(hash);
         }
         self.inserted += 1;
+        Some(true)
     }
 
     /// The capacity and false-positive rate of the layer the next new id
@@ -168,14 +173,6 @@ impl IdFilter {
             capacity,
             FIRST_LAYER_FP_RATE * FP_RATE_RATIO.powi(depth_exponent),
         ))
-    }
-
-    /// Bytes the filter would take once it holds one more new id.
-    pub(crate) fn bytes_with_one_more(&self) -> usize {
-        let grown = self.next_layer().map_or(0, |(capacity, fp_rate)| {
-            Layer::size(capacity, fp_rate).0 * 8
-        });
-        self.bytes() + grown
     }
 
     /// Ids inserted (those the filter already seemed to hold not counted).
@@ -219,17 +216,12 @@ impl FreshStream {
         self.committed.may_contain(id)
     }
 
-    /// Records that `id` is being committed to the stream; false (and
-    /// nothing recorded) when the filter would grow past
+    /// Records that `id` is being committed to the stream: true when it was
+    /// never committed before (it is absent), false when it may have been;
+    /// None (nothing recorded) when the filter would grow past
     /// [`MAX_FILTER_BYTES`]: it must then be dropped before the commit.
-    pub(crate) fn committed(&mut self, id: i64) -> bool {
-        if !self.committed.may_contain(id)
-            && self.committed.bytes_with_one_more() > MAX_FILTER_BYTES
-        {
-            return false;
-        }
-        self.committed.insert(id);
-        true
+    pub(crate) fn committed(&mut self, id: i64) -> Option<bool> {
+        self.committed.insert(id, MAX_FILTER_BYTES)
     }
 
     /// Counts one lookup of an id the filter `known` may hold; false when the
@@ -339,7 +331,7 @@ mod tests {
         let mut filter = IdFilter::new();
         let ids: Vec<i64> = (0..200_000i64).map(|i| i * 7919 - 1_000_000).collect();
         for &id in &ids {
-            filter.insert(id);
+            filter.insert(id, usize::MAX);
         }
         assert!(filter.layers.len() >= 5, "{} layers", filter.layers.len());
         let missed = ids.iter().filter(|&&id| !filter.may_contain(id)).count();
@@ -352,10 +344,9 @@ mod tests {
         let mut filter = IdFilter::new();
         let mut held = 0;
         for &id in ids {
-            if filter.may_contain(id) {
+            if filter.insert(id, usize::MAX) == Some(false) {
                 held += 1;
             }
-            filter.insert(id);
         }
         held
     }
@@ -365,7 +356,7 @@ mod tests {
     ) {
         let mut filter = IdFilter::new();
         for id in 0..500_000i64 {
-            filter.insert(id);
+            filter.insert(id, usize::MAX);
         }
         let others = 200_000;
         let false_positives = (1_000_000..1_000_000 + others)
@@ -389,7 +380,7 @@ mod tests {
     fn a_fresh_stream_is_dropped_once_most_ids_of_a_window_are_known() {
         let mut stream = FreshStream::new();
         for id in 0..10_000 {
-            assert!(stream.committed(id));
+            assert!(stream.committed(id).is_some());
         }
         assert_eq!(
             stream.len(),
@@ -414,7 +405,7 @@ mod tests {
     fn a_stream_refuses_the_id_that_would_grow_its_filter_past_the_cap() {
         let mut stream = FreshStream::new();
         let refused = (0..5_000_000i64)
-            .find(|&id| !stream.committed(id))
+            .find(|&id| stream.committed(id).is_none())
             .expect("the cap is reached before 5 million ids");
         assert!(
             (4_000_000..4_300_000).contains(&refused),
@@ -423,7 +414,7 @@ mod tests {
         assert!(stream.committed.bytes() <= MAX_FILTER_BYTES);
         assert!(!stream.may_hold(refused));
         // An id it holds is still accepted (nothing to grow).
-        assert!(stream.committed(0));
+        assert_eq!(stream.committed(0), Some(false));
     }
 
     #[test]
@@ -484,8 +475,12 @@ mod tests {
         #[test]
         fn every_committed_id_may_be_held(ids in proptest::collection::vec(any::<i64>(), 0..3000)) {
             let mut stream = FreshStream::new();
+            let mut seen = std::collections::HashSet::new();
             for &id in &ids {
-                prop_assert!(stream.committed(id));
+                let new = stream.committed(id);
+                prop_assert!(new.is_some());
+                // A repeated id is never called new.
+                prop_assert!(seen.insert(id) || new == Some(false));
             }
             for &id in &ids {
                 prop_assert!(stream.may_hold(id));

@@ -577,9 +577,9 @@ impl SledStore {
 
     /// Reads `k` of stream `stream` as every reader must see it: a staged
     /// commit's write first, else sled. A record bucket's value leaves out
-    /// its records staged alone ([`Staged::fresh`]): `get_records` and
-    /// [`Self::current_record`] look for those first, and
-    /// [`Self::load_bucket`] writes them before it reads.
+    /// its records staged alone ([`Staged::fresh`]): [`Self::read_records`]
+    /// looks for those first, and [`Self::load_bucket`] writes them before
+    /// it reads.
     fn read(&self, stream: StreamKey, k: &[u8]) -> Result<Option<sled::IVec>, StateError> {
         if let Some(staged) = lock(&self.staged).get(&stream) {
             if let Some(value) = staged.writes.get(k) {
@@ -806,14 +806,17 @@ impl SledStore {
         let mut absent = Vec::with_capacity(ids.len());
         let mut keep = true;
         for &id in ids {
-            let may_hold = stream.may_hold(id);
-            absent.push(!may_hold);
-            if commit {
+            let never_committed = if commit {
                 // Refused when the filter would grow too large: dropped below.
-                keep &= stream.committed(id);
-            }
+                let new = stream.committed(id);
+                keep &= new.is_some();
+                new.unwrap_or(false)
+            } else {
+                !stream.may_hold(id)
+            };
+            absent.push(never_committed);
             if lookups {
-                keep &= stream.looked_up(may_hold);
+                keep &= stream.looked_up(!never_committed);
             }
         }
         if keep {
@@ -826,19 +829,52 @@ impl SledStore {
         Ok(None)
     }
 
-    /// The committed record of `id` as every reader must see it: staged
-    /// alone, else in its bucket (staged whole or in sled).
-    fn current_record(&self, key: StreamKey, id: i64) -> Result<Option<RecordState>, StateError> {
-        if let Some(record) = self.staged_alone(key, id)? {
-            return Ok(Some(record));
+    /// The committed record of each of `ids` (None where `skip` is true,
+    /// for ids known to be absent, and where there is none): staged alone,
+    /// else in its bucket (staged whole or in sled), each bucket read once.
+    /// One view of the staged commits for every id: a group written between
+    /// two ids of a bucket would move a record staged alone into sled after
+    /// its bucket was read here without it.
+    fn read_records(
+        &self,
+        key: StreamKey,
+        ids: &[i64],
+        skip: &[bool],
+    ) -> Result<Vec<Option<RecordState>>, StateError> {
+        let mut stored: BTreeMap<i64, Option<sled::IVec>> = BTreeMap::new();
+        let mut out = Vec::with_capacity(ids.len());
+        let staged = lock(&self.staged);
+        let staged = staged.get(&key);
+        for (&id, &skip) in ids.iter().zip(skip) {
+            if skip {
+                out.push(None);
+                continue;
+            }
+            let (bucket, slot) = codec::bucket_of(id);
+            let k = codec::record_key(KIND_RECORD, key, bucket);
+            if let Some(staged) = staged {
+                let alone = staged
+                    .fresh_record(id)
+                    .map_err(|_| self.corrupt_value("record staged alone", &k))?;
+                if let Some(record) = alone {
+                    out.push(Some(record));
+                    continue;
+                }
+            }
+            let bytes = match stored.entry(bucket) {
+                Entry::Occupied(entry) => entry.into_mut(),
+                Entry::Vacant(entry) => entry.insert(match staged.and_then(|s| s.writes.get(&k)) {
+                    Some(value) => value.cloned(),
+                    None => self.catalog.get(k).map_err(|e| self.err(e))?,
+                }),
+            };
+            out.push(match bytes {
+                None => None,
+                Some(bytes) => codec::bucket_slot(bytes, slot)
+                    .ok_or_else(|| self.corrupt_value("record bucket", &k))?,
+            });
         }
-        let (bucket, slot) = codec::bucket_of(id);
-        let k = codec::record_key(KIND_RECORD, key, bucket);
-        match self.read(key, &k)? {
-            None => Ok(None),
-            Some(bytes) => codec::bucket_slot(&bytes, slot)
-                .ok_or_else(|| self.corrupt_value("record bucket", &k)),
-        }
+        Ok(out)
     }
 
     /// Forgets what is known of the stream's ids (its records were replaced
@@ -1053,19 +1089,6 @@ impl SledStore {
             Some(v) => {
                 codec::decode_bucket(&v).ok_or_else(|| self.corrupt_value("record bucket", &k))
             }
-        }
-    }
-
-    /// The record of `id` staged alone for the stream, if it is.
-    fn staged_alone(&self, key: StreamKey, id: i64) -> Result<Option<RecordState>, StateError> {
-        match lock(&self.staged).get(&key) {
-            Some(staged) => staged.fresh_record(id).map_err(|_| {
-                self.corrupt_value(
-                    "record staged alone",
-                    &codec::record_key(KIND_RECORD, key, id),
-                )
-            }),
-            None => Ok(None),
         }
     }
 
@@ -1295,48 +1318,11 @@ impl StateStore for SledStore {
         key: StreamKey,
         ids: &[i64],
     ) -> Result<Vec<Option<RecordState>>, StateError> {
-        // Each bucket read once, as it is stored; one record decoded per id;
-        // none read for ids never committed to a stream that started empty.
+        // None read for ids never committed to a stream that started empty.
         let absent = self
             .absent_ids(key, ids, true, false)?
             .unwrap_or_else(|| vec![false; ids.len()]);
-        let mut stored: BTreeMap<i64, Option<sled::IVec>> = BTreeMap::new();
-        let mut out = Vec::with_capacity(ids.len());
-        // One view of the staged commits for every id: a group written
-        // between two ids of a bucket would move a record staged alone into
-        // sled after its bucket was read here without it.
-        let staged = lock(&self.staged);
-        let staged = staged.get(&key);
-        for (&id, absent) in ids.iter().zip(absent) {
-            if absent {
-                out.push(None);
-                continue;
-            }
-            let (bucket, slot) = codec::bucket_of(id);
-            let k = codec::record_key(KIND_RECORD, key, bucket);
-            if let Some(staged) = staged {
-                let alone = staged
-                    .fresh_record(id)
-                    .map_err(|_| self.corrupt_value("record staged alone", &k))?;
-                if let Some(record) = alone {
-                    out.push(Some(record));
-                    continue;
-                }
-            }
-            let bytes = match stored.entry(bucket) {
-                Entry::Occupied(entry) => entry.into_mut(),
-                Entry::Vacant(entry) => entry.insert(match staged.and_then(|s| s.writes.get(&k)) {
-                    Some(value) => value.cloned(),
-                    None => self.catalog.get(k).map_err(|e| self.err(e))?,
-                }),
-            };
-            out.push(match bytes {
-                None => None,
-                Some(bytes) => codec::bucket_slot(bytes, slot)
-                    .ok_or_else(|| self.corrupt_value("record bucket", &k))?,
-            });
-        }
-        Ok(out)
+        self.read_records(key, ids, &absent)
     }
 
     fn get_versions(
@@ -1485,24 +1471,23 @@ impl StateStore for SledStore {
             let seen_absent = self
                 .absent_ids(key, seen, false, false)?
                 .unwrap_or_else(|| vec![false; seen.len()]);
+            let held = self.read_records(key, &ids, &absent)?;
             let mut counted = IdSet::default();
-            for ((id, record), absent) in commits.iter().zip(absent) {
-                let held = !absent && self.current_record(key, *id)?.is_some();
-                if !held && counted.insert(*id) {
+            for ((id, record), held) in commits.iter().zip(held) {
+                if held.is_none() && counted.insert(*id) {
                     added += 1;
                 }
                 fresh.push((*id, *record));
             }
-            for (id, _) in seen
+            let skip: Vec<bool> = seen
                 .iter()
                 .zip(seen_absent)
-                .filter(|(id, absent)| !absent && !committed.contains(id))
-            {
-                if let Some(mut record) = self.current_record(key, *id)? {
-                    if record.seen_epoch != epoch {
-                        record.seen_epoch = epoch;
-                        fresh.push((*id, record));
-                    }
+                .map(|(id, absent)| absent || committed.contains(id))
+                .collect();
+            for (id, record) in seen.iter().zip(self.read_records(key, seen, &skip)?) {
+                if let Some(mut record) = record.filter(|r| r.seen_epoch != epoch) {
+                    record.seen_epoch = epoch;
+                    fresh.push((*id, record));
                 }
             }
         } else {
