@@ -12,6 +12,7 @@ mod codec;
 mod fresh;
 mod journal;
 pub mod ledger;
+mod marks;
 mod sled_store;
 
 use std::path::PathBuf;
@@ -336,7 +337,10 @@ pub trait StateStore: Send + Sync + 'static {
     /// `seen_epoch = epoch` on the `seen` ids that exist (unchanged records
     /// seen by a full sweep). Every read sees it when this returns; it may
     /// reach the disk later (by the next `flush` or `save_stream` of the
-    /// stream at the latest), after the intents of later pages.
+    /// stream at the latest), after the intents of later pages. A store may
+    /// keep the seen epochs apart from the batch and write them later (by
+    /// the stream's next `save_stream` or `unseen_records`, or at close):
+    /// they make no change durable.
     fn commit_page(&self, key: StreamKey, page: &Acked<PageCommit>) -> Result<(), StateError>;
     /// The stream's dead-lettered records, in id order.
     fn dead_letters(&self, key: StreamKey) -> Result<Vec<(i64, DeadLetter)>, StateError>;
@@ -367,6 +371,6 @@ pub trait StateStore: Send + Sync + 'static {
         key: StreamKey,
         deletes: &Acked<DeleteCommit>,
     ) -> Result<(), StateError>;
-    /// Makes every write so far durable on disk.
+    /// Makes every write so far durable on disk (seen epochs aside: see `commit_page`).
     fn flush(&self) -> Result<(), StateError>;
 }

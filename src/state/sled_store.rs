@@ -24,6 +24,7 @@ use super::codec::{
 };
 use super::fresh::{FreshOffset, FreshRecords, FreshStream};
 use super::journal::{JournalPlan, StreamJournal};
+use super::marks::{SeenMarks, MAX_MARKED_BUCKETS};
 use super::{
     Acked, DeadLetter, DeleteCommit, IdMap, IdSet, Intent, PageCommit, RecordState, StateError,
     StateStore, StoredVersion, StreamState, Tombstone,
@@ -352,6 +353,11 @@ pub struct SledStore {
     /// when it held no record then ([`FreshStream`]), None when it did or
     /// once the filter was dropped.
     fresh: Mutex<HashMap<StreamKey, Option<FreshStream>>>,
+    /// Per stream, the ids its sweeps saw unchanged and their epoch, not yet
+    /// written into their buckets ([`SeenMarks`]): written by
+    /// [`Self::settle`], never by a group's write. Locked after `staged`
+    /// where both are held, and written only under the stream's journal lock.
+    marks: Mutex<HashMap<StreamKey, SeenMarks>>,
     /// When staged commits are written (tests use smaller ones).
     limits: StageLimits,
     /// Every commit is synced before it returns (crash tests only: see
@@ -366,7 +372,8 @@ pub struct SledStore {
 }
 
 impl Drop for SledStore {
-    /// Writes the staged commits (a store dropped without `flush` keeps them).
+    /// Writes the staged commits (a store dropped without `flush` keeps them)
+    /// and the seen marks.
     fn drop(&mut self) {
         if let Err(e) = self.settle_all() {
             tracing::warn!(path = %self.path.display(), error = %e,
@@ -440,6 +447,7 @@ impl SledStore {
             journals: Mutex::new(HashMap::new()),
             staged: Mutex::new(HashMap::new()),
             fresh: Mutex::new(HashMap::new()),
+            marks: Mutex::new(HashMap::new()),
             limits: if durable_commits {
                 SETTLE_AT_ONCE
             } else {
@@ -551,7 +559,7 @@ impl SledStore {
         if let Some(journal) = journals.get(&key) {
             return Ok(journal.clone());
         }
-        self.settle(key)?;
+        self.settle_group(key)?;
         let mut entries = Vec::new();
         for entry in self.catalog.scan_prefix(codec::prefix(KIND_JOURNAL, key)) {
             let (k, v) = entry.map_err(|e| self.err(e))?;
@@ -589,9 +597,66 @@ impl SledStore {
         self.catalog.get(k).map_err(|e| self.err(e))
     }
 
-    /// Writes the stream's staged commits to sled (nothing when none is
-    /// staged). They stay staged, and visible, when a write fails.
+    /// Writes everything of the stream not yet in sled: its staged commits,
+    /// then its seen marks. Before any scan of the stream's entries, any
+    /// write outside a page commit, `save_stream`, and at close. Never
+    /// called with the stream's journal lock or the `journals` lock held (it
+    /// takes both, to write the marks).
     fn settle(&self, stream: StreamKey) -> Result<(), StateError> {
+        self.settle_group(stream)?;
+        if !lock(&self.marks).contains_key(&stream) {
+            return Ok(());
+        }
+        let journal = self.journal(stream)?;
+        let _writer = lock(&journal);
+        self.write_marks(stream)
+    }
+
+    /// Writes the stream's seen marks into their buckets, in key order, a
+    /// batch of `batch_keys` buckets at a time, after its staged commits (a
+    /// staged bucket written later would lose them). The caller holds the
+    /// stream's journal lock, as every page commit does: no commit stages
+    /// meanwhile. The marks stay, and visible, until every batch is written.
+    fn write_marks(&self, stream: StreamKey) -> Result<(), StateError> {
+        self.settle_group(stream)?;
+        let mut marks = lock(&self.marks);
+        let Some(stream_marks) = marks.get(&stream) else {
+            return Ok(());
+        };
+        for chunk in stream_marks
+            .in_key_order()
+            .chunks(self.limits.batch_keys.max(1))
+        {
+            let mut buckets = BTreeMap::new();
+            let mut dirty = BTreeSet::new();
+            for &(number, mask) in chunk {
+                let k = codec::record_key(KIND_RECORD, stream, number);
+                // Nothing is staged for the stream (settled above, and no
+                // commit stages without the journal lock): sled holds it.
+                let Some(value) = self.catalog.get(k).map_err(|e| self.err(e))? else {
+                    continue;
+                };
+                let mut bucket = codec::decode_bucket(&value)
+                    .ok_or_else(|| self.corrupt_value("record bucket", &k))?;
+                if stream_marks.apply(mask, &mut bucket) {
+                    buckets.insert(number, Box::new(bucket));
+                    dirty.insert(number);
+                }
+            }
+            if !dirty.is_empty() {
+                let mut batch = Writes::default();
+                Self::write_buckets(&mut batch, stream, &buckets, &dirty);
+                self.apply(batch)?;
+            }
+        }
+        marks.remove(&stream);
+        Ok(())
+    }
+
+    /// Writes the stream's staged commits to sled (nothing when none is
+    /// staged), not its seen marks. They stay staged, and visible, when a
+    /// write fails.
+    fn settle_group(&self, stream: StreamKey) -> Result<(), StateError> {
         let mut staged = lock(&self.staged);
         if let Some(entry) = staged.get(&stream) {
             // Under the lock: a reader sees the writes staged or in sled, never neither.
@@ -738,9 +803,10 @@ impl SledStore {
         Ok(())
     }
 
-    /// [`Self::settle`] for every stream.
+    /// [`Self::settle`] for every stream with staged commits or seen marks.
     fn settle_all(&self) -> Result<(), StateError> {
-        let streams: Vec<StreamKey> = lock(&self.staged).keys().copied().collect();
+        let mut streams: BTreeSet<StreamKey> = lock(&self.staged).keys().copied().collect();
+        streams.extend(lock(&self.marks).keys().copied());
         streams
             .into_iter()
             .try_for_each(|stream| self.settle(stream))
@@ -825,7 +891,7 @@ impl SledStore {
         tracing::debug!(stream = %key, "the filter of ids committed since the stream was empty is dropped");
         fresh.insert(key, None);
         drop(fresh);
-        self.settle(key)?;
+        self.settle_group(key)?;
         Ok(None)
     }
 
@@ -845,6 +911,12 @@ impl SledStore {
         let mut out = Vec::with_capacity(ids.len());
         let staged = lock(&self.staged);
         let staged = staged.get(&key);
+        let marks = lock(&self.marks);
+        let marks = marks.get(&key);
+        let seen = |id: i64, record: RecordState| match marks {
+            Some(marks) => marks.overlay(id, record),
+            None => record,
+        };
         for (&id, &skip) in ids.iter().zip(skip) {
             if skip {
                 out.push(None);
@@ -857,7 +929,7 @@ impl SledStore {
                     .fresh_record(id)
                     .map_err(|_| self.corrupt_value("record staged alone", &k))?;
                 if let Some(record) = alone {
-                    out.push(Some(record));
+                    out.push(Some(seen(id, record)));
                     continue;
                 }
             }
@@ -871,10 +943,35 @@ impl SledStore {
             out.push(match bytes {
                 None => None,
                 Some(bytes) => codec::bucket_slot(bytes, slot)
-                    .ok_or_else(|| self.corrupt_value("record bucket", &k))?,
+                    .ok_or_else(|| self.corrupt_value("record bucket", &k))?
+                    .map(|record| seen(id, record)),
             });
         }
         Ok(out)
+    }
+
+    /// Marks the `seen` ids not `committed` as seen by a sweep of `epoch`
+    /// (the ones held get it as their `seen_epoch`), in memory, and clears
+    /// the marks of `committed` ids (a commit's record carries its own
+    /// `seen_epoch`, which a later write of an earlier mark must not replace).
+    /// True when the marks must be written once the page is staged: past
+    /// [`MAX_MARKED_BUCKETS`], or when every commit must be durable. The
+    /// caller holds the stream's journal lock and has written any marks of
+    /// another epoch.
+    fn mark_seen(&self, key: StreamKey, seen: &[i64], committed: &IdSet, epoch: u64) -> bool {
+        let mut seen = seen.iter().filter(|id| !committed.contains(id)).peekable();
+        let mut marks = lock(&self.marks);
+        if let Some(stream_marks) = marks.get_mut(&key) {
+            committed.iter().for_each(|id| stream_marks.unmark(*id));
+        }
+        if seen.peek().is_some() {
+            let stream_marks = marks.entry(key).or_insert_with(|| SeenMarks::new(epoch));
+            seen.for_each(|id| stream_marks.mark(*id));
+        }
+        marks.get(&key).is_some_and(|stream_marks| {
+            stream_marks.buckets() > 0
+                && (self.durable_commits || stream_marks.buckets() >= MAX_MARKED_BUCKETS)
+        })
     }
 
     /// Forgets what is known of the stream's ids (its records were replaced
@@ -1082,7 +1179,7 @@ impl SledStore {
             .get(&key)
             .is_some_and(|staged| staged.fresh_buckets.contains_key(&bucket));
         if staged_alone {
-            self.settle(key)?;
+            self.settle_group(key)?;
         }
         match self.read(key, &k)? {
             None => Ok(Bucket::default()),
@@ -1115,7 +1212,9 @@ impl SledStore {
         if let Some(bytes) = self.read(key, &count_key)? {
             return self.decode_count(&count_key, &bytes);
         }
-        self.settle(key)?;
+        // Seen marks count no record: they stay (a page commit calls this
+        // with the journal lock held).
+        self.settle_group(key)?;
         let mut count = 0u64;
         for entry in self.catalog.scan_prefix(codec::prefix(KIND_RECORD, key)) {
             let (k, v) = entry.map_err(|e| self.err(e))?;
@@ -1368,7 +1467,7 @@ impl StateStore for SledStore {
         let (plan, _seq) = journal.plan_append(intents);
         if self.staged_touches(key, &plan) {
             // It rewrites an entry a staged commit rewrites: after it, in the log.
-            self.settle(key)?;
+            self.settle_group(key)?;
         }
         match single_entry(&plan) {
             // The common case, a page whose ids no older entry holds: one
@@ -1400,7 +1499,13 @@ impl StateStore for SledStore {
     }
 
     fn flush(&self) -> Result<(), StateError> {
-        self.settle_all()?;
+        // Seen marks stay in memory: they make no change durable (see
+        // `state/marks.rs`), and a flush at the end of any stream's sweep
+        // would otherwise rewrite every other stream's marked buckets.
+        let streams: Vec<StreamKey> = lock(&self.staged).keys().copied().collect();
+        for stream in streams {
+            self.settle_group(stream)?;
+        }
         self.db.flush().map_err(|e| self.err(e))?;
         Ok(())
     }
@@ -1438,6 +1543,14 @@ impl StateStore for SledStore {
         let epoch = *epoch;
         let journal = self.journal(key)?;
         let mut journal = lock(&journal);
+        if lock(&self.marks)
+            .get(&key)
+            .is_some_and(|m| m.epoch() != epoch)
+        {
+            // Marks of another epoch first, so that records read as they
+            // would had every mark been written at its commit.
+            self.write_marks(key)?;
+        }
         let plan = journal.plan_removal(commits.iter().map(|(id, _)| *id));
         let mut batch = Writes::default();
         add_journal_plan(&mut batch, key, &plan);
@@ -1465,6 +1578,7 @@ impl StateStore for SledStore {
         }
         let committed: IdSet = ids.iter().copied().collect();
         let mut fresh = Vec::new();
+        let mut write_marks = false;
         if let Some(absent) = self.absent_ids(key, &ids, false, true)? {
             // A stream that started empty: every record is staged alone, and
             // only ids its filter may hold are looked up (a bucket read each).
@@ -1498,15 +1612,7 @@ impl StateStore for SledStore {
                 }
                 dirty.insert(codec::bucket_of(*id).0);
             }
-            for id in seen.iter().filter(|id| !committed.contains(id)) {
-                let (bucket, slot) = self.bucket_for(&mut buckets, key, *id)?;
-                if let Some(record) = bucket.slots[slot].as_mut() {
-                    if record.seen_epoch != epoch {
-                        record.seen_epoch = epoch;
-                        dirty.insert(codec::bucket_of(*id).0);
-                    }
-                }
-            }
+            write_marks = self.mark_seen(key, seen, &committed, epoch);
         }
         Self::write_buckets(&mut batch, key, &buckets, &dirty);
         if added > 0 {
@@ -1520,8 +1626,13 @@ impl StateStore for SledStore {
         self.stage(key, batch, fresh, bucket_bytes)?;
         journal.apply(&plan);
         self.learn_shapes(new_shapes);
+        if write_marks {
+            // After the page is staged: its buckets, loaded without the
+            // marks, are written first (a later group would write over them).
+            self.write_marks(key)?;
+        }
         if self.group_full(key) {
-            self.settle(key)?;
+            self.settle_group(key)?;
         }
         self.sync_if_durable()
     }
@@ -1656,6 +1767,7 @@ impl SledStore {
         let mut journals = lock(&self.journals);
         self.apply(batch)?;
         journals.remove(&key);
+        drop(journals);
         self.forget_shapes(key);
         self.forget_fresh(key);
         self.streams
@@ -2559,6 +2671,171 @@ mod tests {
         assert_eq!(store.record_count(VOUCHERS).unwrap(), 3);
     }
 
+    /// A store whose stream `key` held `records` (epoch 1) when this process
+    /// first touched it, so that its commits take the path of such streams.
+    fn store_holding(records: &[i64]) -> SledStore {
+        let store = store_with(NEVER);
+        let commits: Vec<_> = records
+            .iter()
+            .map(|id| (*id, record(*id as u8, 1)))
+            .collect();
+        store.commit_records(VOUCHERS, &commits, &[], 1).unwrap();
+        store.settle(VOUCHERS).unwrap();
+        store.forget_fresh(VOUCHERS);
+        store
+    }
+
+    /// The `seen_epoch` of each of `ids` as sled holds it (what a reopen reads).
+    fn written_epochs(store: &SledStore, ids: &[i64]) -> Vec<Option<u64>> {
+        ids.iter()
+            .map(|id| {
+                let (bucket, slot) = codec::bucket_of(*id);
+                let k = codec::record_key(KIND_RECORD, VOUCHERS, bucket);
+                let value = store.catalog.get(k).unwrap()?;
+                codec::bucket_slot(&value, slot)
+                    .unwrap()
+                    .map(|r| r.seen_epoch)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn seen_marks_read_at_once_and_reach_their_buckets_before_the_unseen_records_are_listed() {
+        let store = store_holding(&[1, 2, 3, 40]);
+        store.commit_records(VOUCHERS, &[], &[1, 3, 99], 2).unwrap();
+        store.commit_records(VOUCHERS, &[], &[40], 2).unwrap();
+        assert_eq!(
+            store.get_records(VOUCHERS, &[1, 2, 3, 40, 99]).unwrap(),
+            vec![
+                Some(record(1, 2)),
+                Some(record(2, 1)),
+                Some(record(3, 2)),
+                Some(record(40, 2)),
+                None
+            ]
+        );
+        assert_eq!(
+            written_epochs(&store, &[1, 2, 3, 40]),
+            vec![Some(1); 4],
+            "held in memory: no bucket rewritten per page"
+        );
+        assert_eq!(
+            store.unseen_records(VOUCHERS, 2).unwrap(),
+            vec![(2, record(2, 1))]
+        );
+        assert_eq!(
+            written_epochs(&store, &[1, 2, 3, 40, 99]),
+            vec![Some(2), Some(1), Some(2), Some(2), None]
+        );
+        assert_eq!(
+            store.record_count(VOUCHERS).unwrap(),
+            4,
+            "a mark creates no record"
+        );
+    }
+
+    #[test]
+    fn seen_marks_of_an_older_epoch_are_written_before_a_commit_of_a_new_one() {
+        let store = store_holding(&[1, 2]);
+        store.commit_records(VOUCHERS, &[], &[1], 2).unwrap();
+        store.commit_records(VOUCHERS, &[], &[2], 3).unwrap();
+        assert_eq!(written_epochs(&store, &[1, 2]), vec![Some(2), Some(1)]);
+        assert_eq!(
+            store.get_records(VOUCHERS, &[1, 2]).unwrap(),
+            vec![Some(record(1, 2)), Some(record(2, 3))]
+        );
+        // Epochs need not grow: the marks of 3 are written before those of 1.
+        store.commit_records(VOUCHERS, &[], &[1, 2], 1).unwrap();
+        assert_eq!(written_epochs(&store, &[1, 2]), vec![Some(2), Some(3)]);
+        assert_eq!(
+            store.get_records(VOUCHERS, &[1, 2]).unwrap(),
+            vec![Some(record(1, 1)), Some(record(2, 1))]
+        );
+    }
+
+    #[test]
+    fn a_seen_mark_neither_survives_its_records_delete_nor_overrides_a_later_commit() {
+        let store = store_holding(&[1, 2]);
+        store.commit_records(VOUCHERS, &[], &[1, 2], 2).unwrap();
+        store
+            .delete_records(VOUCHERS, &[(1, tombstone(1, 1))])
+            .unwrap();
+        // A commit's record keeps the epoch it carries, whatever was marked.
+        store
+            .commit_records(VOUCHERS, &[(2, record(22, 7))], &[], 2)
+            .unwrap();
+        assert_eq!(
+            store.get_records(VOUCHERS, &[1, 2]).unwrap(),
+            vec![None, Some(record(22, 7))]
+        );
+        store.settle(VOUCHERS).unwrap();
+        assert_eq!(written_epochs(&store, &[1, 2]), vec![None, Some(7)]);
+        assert_eq!(store.record_count(VOUCHERS).unwrap(), 1);
+    }
+
+    #[test]
+    fn seen_marks_are_written_when_the_stream_is_saved_and_at_close_not_by_a_flush() {
+        for save in [true, false] {
+            let dir = tempfile::tempdir().unwrap();
+            {
+                let store = open(&dir);
+                store
+                    .commit_records(VOUCHERS, &[(1, record(1, 1)), (2, record(2, 1))], &[], 1)
+                    .unwrap();
+                store.settle(VOUCHERS).unwrap();
+                store.forget_fresh(VOUCHERS);
+                store.commit_records(VOUCHERS, &[], &[2], 2).unwrap();
+                store.flush().unwrap();
+                assert_eq!(written_epochs(&store, &[2]), vec![Some(1)]);
+                if save {
+                    store
+                        .save_stream(VOUCHERS, &StreamState::default())
+                        .unwrap();
+                    assert_eq!(written_epochs(&store, &[2]), vec![Some(2)]);
+                }
+            }
+            let store = open(&dir);
+            assert_eq!(
+                store.unseen_records(VOUCHERS, 2).unwrap(),
+                vec![(1, record(1, 1))],
+                "saved: {save}"
+            );
+        }
+    }
+
+    #[test]
+    fn seen_marks_are_written_at_once_past_their_bound_after_the_page_that_crosses_it() {
+        let store = store_holding(&[0, 32, 33]);
+        let ids: Vec<i64> = (1..MAX_MARKED_BUCKETS as i64).map(|b| b * 32).collect();
+        store.commit_records(VOUCHERS, &[], &ids, 2).unwrap();
+        assert_eq!(
+            lock(&store.marks)[&VOUCHERS].buckets(),
+            MAX_MARKED_BUCKETS - 1
+        );
+        // This page stages bucket 1 (33) as it read it, without 32's mark.
+        store
+            .commit_records(VOUCHERS, &[(33, record(33, 2))], &[0], 2)
+            .unwrap();
+        assert!(lock(&store.marks).is_empty());
+        store.flush().unwrap();
+        assert_eq!(written_epochs(&store, &[0, 32, 33]), vec![Some(2); 3]);
+    }
+
+    #[test]
+    fn seen_marks_are_written_with_every_commit_when_commits_must_be_durable() {
+        let mut store = store_holding(&[1, 2]);
+        store.durable_commits = true;
+        store.limits = SETTLE_AT_ONCE;
+        // 1 changed and 2 unchanged, in one bucket: the page's staged bucket
+        // must not take 2's mark back.
+        store
+            .commit_records(VOUCHERS, &[(1, record(11, 2))], &[2], 2)
+            .unwrap();
+        assert!(lock(&store.marks).is_empty());
+        assert_eq!(written_epochs(&store, &[1, 2]), vec![Some(2), Some(2)]);
+        assert!(store.unseen_records(VOUCHERS, 2).unwrap().is_empty());
+    }
+
     #[test]
     fn commit_deletes_removes_records_and_intents_and_writes_tombstones() {
         let store = SledStore::open_temporary().unwrap();
@@ -2744,7 +3021,8 @@ mod tests {
 
         #[test]
         fn the_store_behaves_like_a_map_of_records_intents_tombstones_dead_letters_and_versions(
-            ops in proptest::collection::vec((op_strategy(), proptest::prelude::any::<bool>()), 1..25)
+            ops in proptest::collection::vec((op_strategy(), proptest::prelude::any::<bool>()), 1..25),
+            held_before in proptest::prelude::any::<bool>(),
         ) {
             use std::collections::BTreeMap;
             // Groups end only on a settle, and are written two keys a batch:
@@ -2755,6 +3033,14 @@ mod tests {
             let mut tombstones: BTreeMap<i64, Tombstone> = BTreeMap::new();
             let mut letters: BTreeMap<i64, DeadLetter> = BTreeMap::new();
             let mut versions: BTreeMap<i64, StoredVersion> = BTreeMap::new();
+            if held_before {
+                // A stream that held a record when the process first touched
+                // it: its commits read buckets, and its seen marks wait in memory.
+                store.commit_records(VOUCHERS, &[(1000, record(0, 0))], &[], 0).unwrap();
+                store.settle(VOUCHERS).unwrap();
+                store.forget_fresh(VOUCHERS);
+                records.insert(1000, record(0, 0));
+            }
             let steps = ops.len();
             for (step, (op, check)) in ops.into_iter().enumerate() {
                 match op {
