@@ -98,17 +98,18 @@ impl SeenMarks {
         out
     }
 
-    /// Sets the epoch on the records of `bucket`'s slots in `mask`; true when
-    /// one of them changed (else the bucket need not be written).
-    pub(crate) fn apply(&self, mask: u32, bucket: &mut Bucket) -> bool {
+    /// Sets `epoch` (a [`SeenMarks::epoch`]) on the records of `bucket`'s
+    /// slots in `mask` (one of [`SeenMarks::in_key_order`]); true when one of
+    /// them changed (else the bucket need not be written).
+    pub(crate) fn apply(epoch: u64, mask: u32, bucket: &mut Bucket) -> bool {
         let mut changed = false;
         for slot in 0..BUCKET_SLOTS {
             if mask & (1 << slot) == 0 {
                 continue;
             }
             if let Some(record) = bucket.slots[slot].as_mut() {
-                if record.seen_epoch != self.epoch {
-                    record.seen_epoch = self.epoch;
+                if record.seen_epoch != epoch {
+                    record.seen_epoch = epoch;
                     changed = true;
                 }
             }
@@ -178,7 +179,7 @@ mod tests {
         bucket.slots[2] = Some(record(2, 5));
         bucket.slots[4] = Some(record(4, 1));
         let mask = marks.in_key_order()[0].1;
-        assert!(marks.apply(mask, &mut bucket));
+        assert!(SeenMarks::apply(marks.epoch(), mask, &mut bucket));
         assert_eq!(bucket.slots[1], Some(record(1, 5)));
         assert_eq!(bucket.slots[2], Some(record(2, 5)));
         assert_eq!(bucket.slots[3], None, "a mark creates no record");
@@ -188,7 +189,7 @@ mod tests {
             "an unmarked record keeps its epoch"
         );
         assert!(
-            !marks.apply(mask, &mut bucket),
+            !SeenMarks::apply(marks.epoch(), mask, &mut bucket),
             "written twice, nothing changes"
         );
     }

@@ -616,17 +616,21 @@ impl SledStore {
     /// batch of `batch_keys` buckets at a time, after its staged commits (a
     /// staged bucket written later would lose them). The caller holds the
     /// stream's journal lock, as every page commit does: no commit stages
-    /// meanwhile. The marks stay, and visible, until every batch is written.
+    /// and no mark changes meanwhile. The marks stay, and visible, until
+    /// every batch is written; the lock on them is not held while sled writes.
     fn write_marks(&self, stream: StreamKey) -> Result<(), StateError> {
         self.settle_group(stream)?;
-        let mut marks = lock(&self.marks);
-        let Some(stream_marks) = marks.get(&stream) else {
+        // A copy, so that the lock is not held while sled writes: readers of
+        // every stream take it. The marks stay meanwhile (reads overlay them
+        // over buckets written or not), and nothing changes them: they
+        // change only under the journal lock, which the caller holds.
+        let Some((epoch, pending)) = lock(&self.marks)
+            .get(&stream)
+            .map(|marks| (marks.epoch(), marks.in_key_order()))
+        else {
             return Ok(());
         };
-        for chunk in stream_marks
-            .in_key_order()
-            .chunks(self.limits.batch_keys.max(1))
-        {
+        for chunk in pending.chunks(self.limits.batch_keys.max(1)) {
             let mut buckets = BTreeMap::new();
             let mut dirty = BTreeSet::new();
             for &(number, mask) in chunk {
@@ -638,7 +642,7 @@ impl SledStore {
                 };
                 let mut bucket = codec::decode_bucket(&value)
                     .ok_or_else(|| self.corrupt_value("record bucket", &k))?;
-                if stream_marks.apply(mask, &mut bucket) {
+                if SeenMarks::apply(epoch, mask, &mut bucket) {
                     buckets.insert(number, Box::new(bucket));
                     dirty.insert(number);
                 }
@@ -649,7 +653,7 @@ impl SledStore {
                 self.apply(batch)?;
             }
         }
-        marks.remove(&stream);
+        lock(&self.marks).remove(&stream);
         Ok(())
     }
 
