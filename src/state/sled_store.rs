@@ -603,9 +603,8 @@ impl SledStore {
     /// called with the stream's journal lock or the `journals` lock held (it
     /// takes both, to write the marks).
     fn settle(&self, stream: StreamKey) -> Result<(), StateError> {
-        self.settle_group(stream)?;
         if !lock(&self.marks).contains_key(&stream) {
-            return Ok(());
+            return self.settle_group(stream);
         }
         let journal = self.journal(stream)?;
         let _writer = lock(&journal);
@@ -632,22 +631,16 @@ impl SledStore {
         };
         for chunk in pending.chunks(self.limits.batch_keys.max(1)) {
             let mut buckets = BTreeMap::new();
-            let mut dirty = BTreeSet::new();
             for &(number, mask) in chunk {
-                let k = codec::record_key(KIND_RECORD, stream, number);
                 // Nothing is staged for the stream (settled above, and no
-                // commit stages without the journal lock): sled holds it.
-                let Some(value) = self.catalog.get(k).map_err(|e| self.err(e))? else {
-                    continue;
-                };
-                let mut bucket = codec::decode_bucket(&value)
-                    .ok_or_else(|| self.corrupt_value("record bucket", &k))?;
+                // commit stages without the journal lock): this is sled's.
+                let mut bucket = self.load_bucket(stream, number)?;
                 if SeenMarks::apply(epoch, mask, &mut bucket) {
                     buckets.insert(number, Box::new(bucket));
-                    dirty.insert(number);
                 }
             }
-            if !dirty.is_empty() {
+            if !buckets.is_empty() {
+                let dirty: BTreeSet<i64> = buckets.keys().copied().collect();
                 let mut batch = Writes::default();
                 Self::write_buckets(&mut batch, stream, &buckets, &dirty);
                 self.apply(batch)?;
