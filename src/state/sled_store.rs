@@ -3156,27 +3156,37 @@ mod tests {
     }
 
     fn spawn_child_writer(path: &Path) -> std::process::Child {
+        spawn_child(
+            "state::sled_store::tests::child_process_commits_pages_until_killed",
+            CHILD_STORE_ENV,
+            path,
+        )
+    }
+
+    /// Starts the ignored helper test `name` in a process of its own with
+    /// `env` set to `path`, and returns once it has written `child-ready`
+    /// there.
+    fn spawn_child(name: &str, env: &str, path: &Path) -> std::process::Child {
         let child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "state::sled_store::tests::child_process_commits_pages_until_killed",
-                "--ignored",
-                "--test-threads=1",
-            ])
-            .env(CHILD_STORE_ENV, path)
+            .args(["--exact", name, "--ignored", "--test-threads=1"])
+            .env(env, path)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        while !path.join("child-ready").exists() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "child writer never got ready"
-            );
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
+        wait_for_file(
+            &path.join("child-ready"),
+            &format!("{name} never got ready"),
+        );
         child
+    }
+
+    fn wait_for_file(file: &Path, failure: &str) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !file.exists() {
+            assert!(std::time::Instant::now() < deadline, "{failure}");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
     }
 
     #[test]
@@ -3818,48 +3828,130 @@ mod tests {
         );
     }
 
+    /// Records of a store built by [`build_store_larger_than_its_cache`].
+    const LARGE_STORE_RECORDS: i64 = 20_000;
+    /// A cache smaller than one leaf in each of sled's cache shards
+    /// (vendor/sled/PATCHES.md, item 3): most reads pull pages back from the
+    /// log file, fragment by fragment.
+    const SMALL_CACHE: u64 = 64 << 10;
+
+    /// Commits [`LARGE_STORE_RECORDS`] numbered records (625 buckets, 40-80
+    /// leaves) at `path` through a cache of `cache` bytes, in groups of 16
+    /// KiB and in an order that revisits each bucket from many pages so that
+    /// leaves carry several fragments, and flushes them. Through
+    /// [`SMALL_CACHE`] the commits' own reads page leaves in (and rewrite
+    /// the ones in many fragments whole); through the default cache they
+    /// page nothing in.
+    fn build_store_larger_than_its_cache(path: &Path, cache: u64) {
+        let order: Vec<i64> = (0..LARGE_STORE_RECORDS)
+            .map(|n| (n * 7_919) % LARGE_STORE_RECORDS)
+            .collect();
+        let mut store = reopen_with_cache(path, cache).unwrap();
+        store.limits = StageLimits {
+            stream_bytes: 16 << 10,
+            ..STAGE_LIMITS
+        };
+        for page in order.chunks(50) {
+            let intents: Vec<_> = page.iter().map(|&id| (id, intent(1))).collect();
+            store.write_intents(VOUCHERS, &intents).unwrap();
+            let commits: Vec<_> = page.iter().map(|&id| (id, numbered(id))).collect();
+            store.commit_records(VOUCHERS, &commits, &[], 0).unwrap();
+        }
+        store.flush().unwrap();
+    }
+
+    /// Reads every record of such a store and checks it, 50 ids at a time, in
+    /// id order or `scattered` (as a sweep's listing is).
+    fn check_large_store(store: &SledStore, scattered: bool, when: &str) {
+        let ids: Vec<i64> = (0..LARGE_STORE_RECORDS)
+            .map(|n| {
+                if scattered {
+                    (n * 4_099) % LARGE_STORE_RECORDS
+                } else {
+                    n
+                }
+            })
+            .collect();
+        for ids in ids.chunks(50) {
+            let read = store.get_records(VOUCHERS, ids).unwrap();
+            for (id, record) in ids.iter().zip(read) {
+                assert!(
+                    record == Some(numbered(*id)),
+                    "record {id} read back {when}: {record:?}"
+                );
+            }
+        }
+        assert_eq!(
+            store.record_count(VOUCHERS).unwrap(),
+            LARGE_STORE_RECORDS as u64
+        );
+    }
+
     #[test]
     fn a_store_larger_than_its_cache_reads_back_every_record_from_disk_and_after_a_reopen() {
-        // 20,000 records in 625 buckets (40-80 leaves), committed in an order
-        // that revisits each bucket from many pages (so leaves carry several
-        // fragments), through a 64 KiB cache, smaller than one leaf in each
-        // of sled's cache shards (vendor/sled/PATCHES.md, item 3): most reads
-        // pull pages back from the log file, fragment by fragment. The reopen
+        // Reads through the small cache pull pages back from the log file and
+        // rewrite those with many fragments whole (vendor/sled/PATCHES.md,
+        // item 5); the second pass reads the rewritten pages, and the reopen
         // reads every message again, through sled's recovery.
-        const RECORDS: i64 = 20_000;
-        const CACHE: u64 = 64 << 10;
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("state");
-        let order: Vec<i64> = (0..RECORDS).map(|n| (n * 7_919) % RECORDS).collect();
-        let check = |store: &SledStore, when: &str| {
-            for ids in (0..RECORDS).collect::<Vec<_>>().chunks(50) {
-                let read = store.get_records(VOUCHERS, ids).unwrap();
-                for (id, record) in ids.iter().zip(read) {
-                    assert!(
-                        record == Some(numbered(*id)),
-                        "record {id} read back {when}: {record:?}"
-                    );
-                }
+        for built_through in [SMALL_CACHE, CACHE_CAPACITY] {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("state");
+            build_store_larger_than_its_cache(&path, built_through);
+            {
+                let store = reopen_with_cache(&path, SMALL_CACHE).unwrap();
+                check_large_store(&store, true, "through a small cache");
+                check_large_store(&store, false, "once its pages were rewritten whole");
             }
-            assert_eq!(store.record_count(VOUCHERS).unwrap(), RECORDS as u64);
-        };
-        {
-            let mut store = reopen_with_cache(&path, CACHE).unwrap();
-            store.limits = StageLimits {
-                stream_bytes: 16 << 10,
-                ..STAGE_LIMITS
-            };
-            for page in order.chunks(50) {
-                let intents: Vec<_> = page.iter().map(|&id| (id, intent(1))).collect();
-                store.write_intents(VOUCHERS, &intents).unwrap();
-                let commits: Vec<_> = page.iter().map(|&id| (id, numbered(id))).collect();
-                store.commit_records(VOUCHERS, &commits, &[], 0).unwrap();
-            }
-            store.flush().unwrap();
-            check(&store, "before the reopen");
+            let store = reopen_with_cache(&path, SMALL_CACHE).unwrap();
+            check_large_store(&store, true, "after the reopen");
+            assert!(store.pending_intents(VOUCHERS).unwrap().is_empty());
         }
-        let store = reopen_with_cache(&path, CACHE).unwrap();
-        check(&store, "after the reopen");
-        assert!(store.pending_intents(VOUCHERS).unwrap().is_empty());
+    }
+
+    /// Environment variable that turns `child_process_reads_a_large_store_until_killed` on.
+    const CHILD_READER_ENV: &str = "VOUCHER_CDC_TEST_CHILD_READER";
+
+    /// Helper process for the test below: opens a store built by
+    /// [`build_store_larger_than_its_cache`], with [`SMALL_CACHE`], tells the
+    /// parent (`child-ready`), and reads every record in a sweep's scattered
+    /// order, again and again, until killed: its reads page leaves in and
+    /// rewrite those in many fragments whole.
+    #[test]
+    #[ignore = "helper process, started by the consolidation kill test"]
+    fn child_process_reads_a_large_store_until_killed() {
+        let Ok(path) = std::env::var(CHILD_READER_ENV) else {
+            return;
+        };
+        let path = Path::new(&path);
+        let store = SledStore::open_with_cache(path, SMALL_CACHE).unwrap();
+        std::fs::write(path.join("child-ready"), b"").unwrap();
+        loop {
+            check_large_store(&store, true, "in the child");
+        }
+    }
+
+    #[test]
+    fn a_kill_while_reads_rewrite_pages_whole_loses_no_record() {
+        let mut rng = rand::rng();
+        for round in 0..3 {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("state");
+            build_store_larger_than_its_cache(&path, CACHE_CAPACITY);
+            let mut child = spawn_child(
+                "state::sled_store::tests::child_process_reads_a_large_store_until_killed",
+                CHILD_READER_ENV,
+                &path,
+            );
+            let delay = rand::Rng::random_range(&mut rng, 0..300);
+            std::thread::sleep(std::time::Duration::from_millis(delay));
+            child.kill().unwrap();
+            child.wait().unwrap();
+            let store = reopen_with_cache(&path, SMALL_CACHE).unwrap();
+            check_large_store(
+                &store,
+                false,
+                &format!("after a kill {delay} ms into the reads (round {round})"),
+            );
+        }
     }
 }

@@ -25,6 +25,9 @@ pub(crate) const COUNTER_PID: PageId = 1;
 pub(crate) const BATCH_MANIFEST_PID: PageId = PageId::max_value() - 666;
 
 pub(crate) const PAGE_CONSOLIDATION_THRESHOLD: usize = 10;
+/// voucher-cdc (PATCHES.md, item 5): a page paged in from this many
+/// fragments or more is written back whole.
+pub(crate) const READ_CONSOLIDATION_THRESHOLD: usize = 4;
 pub(crate) const SEGMENT_CLEANUP_THRESHOLD: usize = 50;
 
 // Allows for around 1 trillion items to be stored

@@ -38,7 +38,8 @@ use self::{
     blob_io::{gc_blobs, read_blob, remove_blob, write_blob},
     constants::{
         BATCH_MANIFEST_PID, COUNTER_PID, META_PID,
-        PAGE_CONSOLIDATION_THRESHOLD, SEGMENT_CLEANUP_THRESHOLD,
+        PAGE_CONSOLIDATION_THRESHOLD, READ_CONSOLIDATION_THRESHOLD,
+        SEGMENT_CLEANUP_THRESHOLD,
     },
     header::Header,
     iobuf::{roll_iobuf, IoBuf, IoBufs},
@@ -1768,6 +1769,18 @@ impl PageCache {
 
             let mut page_view = page_view;
             page_view.read = new_shared;
+
+            // voucher-cdc (PATCHES.md, item 5): a page pulled back in many
+            // fragments is written whole, so that the next time it is paged
+            // in (and counted by the LRU) it is one fragment. The rewrite
+            // keeps the page's timestamp, as the segment cleaner's does.
+            if page_view.cache_infos.len() >= READ_CONSOLIDATION_THRESHOLD {
+                let node = page_view.as_node().clone();
+                return match self.cas_page(pid, page_view, Update::Node(node), true, guard)? {
+                    Ok(consolidated) => Ok(Some(NodeView(consolidated))),
+                    Err(_) => self.get(pid, guard),
+                };
+            }
 
             Ok(Some(NodeView(page_view)))
         } else {
