@@ -61,10 +61,13 @@ const META_CREATED_BY: &[u8] = b"created_by";
 pub const LAYOUT_MARKER: &str = "voucher-cdc-layout";
 
 /// Sled's page cache when `state.cache_capacity_mib` is not set (approximate:
-/// sled accounts serialized page sizes). 16 MiB holds the hot buckets of
-/// ~500k records; misses are served by the OS page cache. See docs/state.md
-/// for the RSS figures.
-pub const CACHE_CAPACITY: u64 = 16 * 1024 * 1024;
+/// sled accounts serialized page sizes). 4 MiB holds the buckets of about
+/// 100,000 records; beyond that misses are served by the OS page cache, and
+/// a page read back in many fragments is written back whole
+/// (vendor/sled/PATCHES.md, item 5), so a larger store costs full sweeps
+/// little CPU and keeps the process's memory near that of a 100,000-record
+/// one. See docs/state.md for the figures.
+pub const CACHE_CAPACITY: u64 = 4 * 1024 * 1024;
 /// How often sled flushes in the background (a crash loses at most this much
 /// committed state, which the invariant turns into duplicates, never loss).
 const FLUSH_EVERY_MS: u64 = 500;
