@@ -1337,7 +1337,7 @@ impl PageCache {
                 } else if pid == COUNTER_PID {
                     let (key, counter) = self.get_idgen(guard)?;
                     (key, Update::Counter(counter))
-                } else if let Some(node_view) = self.get(pid, guard)? {
+                } else if let Some(node_view) = self.get_with(pid, guard, false)? {
                     (node_view.0, Update::Node(node_view.deref().clone()))
                 } else {
                     let page_view = match self.inner.get(pid, guard) {
@@ -1653,6 +1653,19 @@ impl PageCache {
         pid: PageId,
         guard: &'g Guard,
     ) -> Result<Option<NodeView<'g>>> {
+        self.get_with(pid, guard, true)
+    }
+
+    /// `get`; a page paged in from `READ_CONSOLIDATION_THRESHOLD` fragments
+    /// or more is written back whole when `consolidate` (voucher-cdc,
+    /// PATCHES.md, item 5; the segment cleaner, which writes the page it
+    /// gets anyway, passes false).
+    fn get_with<'g>(
+        &self,
+        pid: PageId,
+        guard: &'g Guard,
+        consolidate: bool,
+    ) -> Result<Option<NodeView<'g>>> {
         trace!("getting page iterator for pid {}", pid);
         let _measure = Measure::new(&M.get_page);
 
@@ -1759,6 +1772,33 @@ impl PageCache {
                 guard.defer_destroy(page_view.read);
             }
 
+            let mut page_view = page_view;
+            page_view.read = new_shared;
+
+            // voucher-cdc (PATCHES.md, item 5): a page pulled back in many
+            // fragments is written whole, so that the next time it is paged
+            // in (and counted by the LRU) it is one fragment. The rewrite
+            // keeps the page's timestamp, as the segment cleaner's does. It
+            // comes before the LRU hears of the page (`cas_page` tells it,
+            // with the rewritten page's size), so the eviction that access
+            // may cause cannot take the page before it is rewritten.
+            if consolidate
+                && page_view.cache_infos.len() >= READ_CONSOLIDATION_THRESHOLD
+            {
+                let node = page_view.as_node().clone();
+                return match self.cas_page(
+                    pid,
+                    page_view,
+                    Update::Node(node),
+                    true,
+                    guard,
+                )? {
+                    Ok(consolidated) => Ok(Some(NodeView(consolidated))),
+                    // a concurrent write won: read the page as it is now
+                    Err(_) => self.get_with(pid, guard, consolidate),
+                };
+            }
+
             // possibly evict an item now that our cache has grown
             let total_page_size = unsafe { new_shared.deref().log_size() };
             let to_evict = self.lru.accessed(pid, total_page_size, guard);
@@ -1767,26 +1807,11 @@ impl PageCache {
                 self.page_out(to_evict, guard)?;
             }
 
-            let mut page_view = page_view;
-            page_view.read = new_shared;
-
-            // voucher-cdc (PATCHES.md, item 5): a page pulled back in many
-            // fragments is written whole, so that the next time it is paged
-            // in (and counted by the LRU) it is one fragment. The rewrite
-            // keeps the page's timestamp, as the segment cleaner's does.
-            if page_view.cache_infos.len() >= READ_CONSOLIDATION_THRESHOLD {
-                let node = page_view.as_node().clone();
-                return match self.cas_page(pid, page_view, Update::Node(node), true, guard)? {
-                    Ok(consolidated) => Ok(Some(NodeView(consolidated))),
-                    Err(_) => self.get(pid, guard),
-                };
-            }
-
             Ok(Some(NodeView(page_view)))
         } else {
             trace!("fix-up for pid {} failed", pid);
 
-            self.get(pid, guard)
+            self.get_with(pid, guard, consolidate)
         }
     }
 
