@@ -3914,13 +3914,24 @@ mod tests {
     /// Environment variable that turns `child_process_reads_a_large_store_until_killed` on.
     const CHILD_READER_ENV: &str = "VOUCHER_CDC_TEST_CHILD_READER";
 
-    /// Helper process for the test below: opens a store built by
+    /// Bytes this process has handed to write syscalls (`wchar` in
+    /// /proc/self/io).
+    fn bytes_written() -> u64 {
+        let io = std::fs::read_to_string("/proc/self/io").unwrap();
+        io.lines()
+            .find_map(|line| line.strip_prefix("wchar: "))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap()
+    }
+
+    /// Helper process for the two tests below: opens a store built by
     /// [`build_store_larger_than_its_cache`], with [`SMALL_CACHE`], tells the
-    /// parent (`child-ready`), and reads every record in a sweep's scattered
-    /// order, again and again, until killed: its reads page leaves in and
-    /// rewrite those in many fragments whole.
+    /// parent (`child-ready`), reads every record in a sweep's scattered
+    /// order and flushes, writes the bytes it wrote meanwhile into
+    /// `child-writes`, and reads on until killed. Its first pass pages leaves
+    /// in and rewrites those in many fragments whole.
     #[test]
-    #[ignore = "helper process, started by the consolidation kill test"]
+    #[ignore = "helper process, started by the rewrite tests"]
     fn child_process_reads_a_large_store_until_killed() {
         let Ok(path) = std::env::var(CHILD_READER_ENV) else {
             return;
@@ -3928,14 +3939,60 @@ mod tests {
         let path = Path::new(&path);
         let store = SledStore::open_with_cache(path, SMALL_CACHE).unwrap();
         std::fs::write(path.join("child-ready"), b"").unwrap();
+        let before = bytes_written();
+        check_large_store(&store, true, "in the child");
+        StateStore::flush(&store).unwrap();
+        let written = bytes_written() - before;
+        std::fs::write(path.join("child-writes"), written.to_string()).unwrap();
         loop {
             check_large_store(&store, true, "in the child");
         }
     }
 
+    /// Starts the reader helper on the store at `path`.
+    fn spawn_child_reader(path: &Path) -> std::process::Child {
+        spawn_child(
+            "state::sled_store::tests::child_process_reads_a_large_store_until_killed",
+            CHILD_READER_ENV,
+            path,
+        )
+    }
+
+    /// Kills a helper process, which must not have ended on its own (a
+    /// failed check of its reads).
+    fn kill_child(mut child: std::process::Child) {
+        use std::os::unix::process::ExitStatusExt;
+        child.kill().unwrap();
+        let status = child.wait().unwrap();
+        assert_eq!(status.signal(), Some(9), "child reader: {status}");
+    }
+
+    #[test]
+    fn reads_through_a_small_cache_write_back_the_pages_they_pull_in_many_fragments() {
+        // Counted in a process of its own: other tests write files too.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state");
+        build_store_larger_than_its_cache(&path, CACHE_CAPACITY);
+        let child = spawn_child_reader(&path);
+        wait_for_file(
+            &path.join("child-writes"),
+            "child reader never finished a pass",
+        );
+        kill_child(child);
+        let written: u64 = std::fs::read_to_string(path.join("child-writes"))
+            .unwrap()
+            .parse()
+            .unwrap();
+        // Without the rewrite (vendor/sled/PATCHES.md, item 5) a pass of
+        // reads and a flush write nothing of the store.
+        assert!(
+            written >= 64 << 10,
+            "a pass of reads over a store in many fragments wrote {written} bytes"
+        );
+    }
+
     #[test]
     fn a_kill_while_reads_rewrite_pages_whole_loses_no_record() {
-        use std::os::unix::process::ExitStatusExt;
         // The child's first pass rewrites the store's fragmented leaves
         // within a few milliseconds of opening it (4-25 ms in a debug build):
         // the kills land in it, or just after it.
@@ -3944,17 +4001,10 @@ mod tests {
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().join("state");
             build_store_larger_than_its_cache(&path, CACHE_CAPACITY);
-            let mut child = spawn_child(
-                "state::sled_store::tests::child_process_reads_a_large_store_until_killed",
-                CHILD_READER_ENV,
-                &path,
-            );
+            let child = spawn_child_reader(&path);
             let delay = rand::Rng::random_range(&mut rng, 0..25);
             std::thread::sleep(std::time::Duration::from_millis(delay));
-            child.kill().unwrap();
-            let status = child.wait().unwrap();
-            // Killed, not ended by a failed check of its own reads.
-            assert_eq!(status.signal(), Some(9), "child reader: {status}");
+            kill_child(child);
             let store = reopen_with_cache(&path, SMALL_CACHE).unwrap();
             check_large_store(
                 &store,
