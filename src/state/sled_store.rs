@@ -803,11 +803,20 @@ impl SledStore {
         Ok(())
     }
 
-    /// [`Self::settle`] for every stream with staged commits or seen marks.
-    fn settle_all(&self) -> Result<(), StateError> {
-        let mut streams: BTreeSet<StreamKey> = lock(&self.staged).keys().copied().collect();
-        streams.extend(lock(&self.marks).keys().copied());
+    /// [`Self::settle_group`] for every stream with staged commits.
+    fn settle_groups(&self) -> Result<(), StateError> {
+        let streams: Vec<StreamKey> = lock(&self.staged).keys().copied().collect();
         streams
+            .into_iter()
+            .try_for_each(|stream| self.settle_group(stream))
+    }
+
+    /// Every stream's staged commits, then every stream's seen marks
+    /// ([`Self::settle`]).
+    fn settle_all(&self) -> Result<(), StateError> {
+        self.settle_groups()?;
+        let marked: Vec<StreamKey> = lock(&self.marks).keys().copied().collect();
+        marked
             .into_iter()
             .try_for_each(|stream| self.settle(stream))
     }
@@ -1502,10 +1511,7 @@ impl StateStore for SledStore {
         // Seen marks stay in memory: they make no change durable (see
         // `state/marks.rs`), and a flush at the end of any stream's sweep
         // would otherwise rewrite every other stream's marked buckets.
-        let streams: Vec<StreamKey> = lock(&self.staged).keys().copied().collect();
-        for stream in streams {
-            self.settle_group(stream)?;
-        }
+        self.settle_groups()?;
         self.db.flush().map_err(|e| self.err(e))?;
         Ok(())
     }
