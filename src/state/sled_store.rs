@@ -4019,4 +4019,59 @@ mod tests {
             );
         }
     }
+
+    /// Writes `threads` x `values` values of 32 KiB (under sled's blob
+    /// threshold, so they go through the log) into a sled database at
+    /// `path` as fast as it takes them, and flushes: about 100 full log
+    /// segments of 512 KiB.
+    fn fill_log_segments(db: &sled::Db, threads: u8, values: u16) {
+        std::thread::scope(|scope| {
+            for thread in 0..threads {
+                scope.spawn(move || {
+                    for n in 0..values {
+                        let key = [&[thread][..], &n.to_be_bytes()[..]].concat();
+                        db.insert(key, segment_filler(thread, n)).unwrap();
+                    }
+                });
+            }
+        });
+        db.flush().unwrap();
+    }
+
+    /// The value `fill_log_segments` writes for `thread` and `n`.
+    fn segment_filler(thread: u8, n: u16) -> Vec<u8> {
+        let seed = u64::from(thread) << 16 | u64::from(n);
+        let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(seed);
+        let mut value = vec![0u8; 32 << 10];
+        rand::RngCore::fill_bytes(&mut rng, &mut value);
+        value
+    }
+
+    #[test]
+    fn writes_faster_than_the_disk_keep_at_most_two_full_log_segments_waiting_for_it() {
+        // Each full 512 KiB segment is written and synced on sled's thread
+        // pool; writers that fill segments faster than that used to leave
+        // dozens of them in memory (vendor/sled/PATCHES.md, item 6).
+        let dir = tempfile::tempdir().unwrap();
+        let (threads, values) = (4u8, 400u16);
+        {
+            let db = sled::Config::new().path(dir.path()).open().unwrap();
+            fill_log_segments(&db, threads, values);
+            let peak = db.peak_full_segment_writes();
+            assert!(
+                (1..=2).contains(&peak),
+                "{peak} full log segments were waiting for the disk at once"
+            );
+        }
+        // Nothing written while writers waited is lost or out of place.
+        let db = sled::Config::new().path(dir.path()).open().unwrap();
+        assert_eq!(db.len(), usize::from(threads) * usize::from(values));
+        for thread in 0..threads {
+            for n in (0..values).step_by(97) {
+                let key = [&[thread][..], &n.to_be_bytes()[..]].concat();
+                let value = db.get(&key).unwrap();
+                assert_eq!(value.as_deref(), Some(&segment_filler(thread, n)[..]));
+            }
+        }
+    }
 }

@@ -427,6 +427,13 @@ impl Db {
         self.context.pagecache.size_on_disk()
     }
 
+    /// voucher-cdc patch (PATCHES.md): the most writes of full log segments
+    /// that were waiting for the disk at once since the database opened.
+    #[doc(hidden)]
+    pub fn peak_full_segment_writes(&self) -> usize {
+        self.context.pagecache.log.iobufs.peak_maxed_writes()
+    }
+
     /// Traverses all files and calculates their total physical
     /// size, then traverses all pages and calculates their
     /// total logical size, then divides the physical size

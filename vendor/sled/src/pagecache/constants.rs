@@ -42,3 +42,11 @@ pub(crate) const MAX_PID_BITS: usize = 37;
 // Assumed to be enough for a 32-bit system.
 #[cfg(target_pointer_width = "32")]
 pub(crate) const MAX_PID_BITS: usize = 32;
+
+/// voucher-cdc patch (PATCHES.md): how many full segments may be waiting
+/// for their write to the log file before the next one is started.
+pub(crate) const MAX_MAXED_WRITES: usize = 2;
+
+/// voucher-cdc patch (PATCHES.md): the longest a writer waits for them.
+pub(crate) const MAX_MAXED_WAIT: std::time::Duration =
+    std::time::Duration::from_secs(1);

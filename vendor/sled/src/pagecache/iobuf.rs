@@ -304,6 +304,12 @@ pub(crate) struct IoBufs {
     pub intervals: Mutex<StabilityIntervals>,
     pub interval_updated: Condvar,
 
+    // voucher-cdc patch (PATCHES.md): writes of full segments handed to the
+    // thread pool and not finished yet, and their completion.
+    maxed_writes: Mutex<usize>,
+    maxed_write_done: Condvar,
+    peak_maxed_writes: AtomicUsize,
+
     // The highest CONTIGUOUS log sequence number that has been written to
     // stable storage. This may be lower than the length of the underlying
     // file, and there may be buffers that have been written out-of-order
@@ -333,6 +339,55 @@ impl Drop for IoBufs {
 /// `IoBufs` is a set of lock-free buffers for coordinating
 /// writes to underlying storage.
 impl IoBufs {
+    /// voucher-cdc patch (PATCHES.md): a buffer was sealed as its
+    /// segment's last: counted until its write to the log file finishes.
+    fn maxed_buffer_sealed(&self) {
+        let mut writes = self.maxed_writes.lock();
+        *writes += 1;
+        let _peak = self.peak_maxed_writes.fetch_max(*writes, SeqCst);
+    }
+
+    /// voucher-cdc patch (PATCHES.md): the write of `header`'s buffer
+    /// finished; it was counted if it was sealed as its segment's last.
+    pub(crate) fn buffer_written(&self, header: Header) {
+        if header::is_maxed(header) {
+            let mut writes = self.maxed_writes.lock();
+            *writes = writes.saturating_sub(1);
+            drop(writes);
+            let _notified = self.maxed_write_done.notify_all();
+        }
+    }
+
+    /// voucher-cdc patch (PATCHES.md): the most segments sealed and not yet
+    /// written at once.
+    pub(crate) fn peak_maxed_writes(&self) -> usize {
+        self.peak_maxed_writes.load(SeqCst)
+    }
+
+    /// voucher-cdc patch (PATCHES.md): before a buffer is sealed as its
+    /// segment's last, which allocates the next segment's buffer, waits
+    /// while `MAX_MAXED_WRITES` sealed segments are not yet written, so
+    /// that segments waiting for the disk are bounded. A sealed segment is
+    /// written once its writers are done, and the only reservation held
+    /// across other log writes is a batch's manifest (batches run one at a
+    /// time), so with a bound of 2 one of the segments waited for is always
+    /// free to be written. Even so, the wait gives up after a second rather
+    /// than risk a hang.
+    fn wait_for_maxed_writes(&self) -> Result<()> {
+        let deadline = std::time::Instant::now() + MAX_MAXED_WAIT;
+        let mut writes = self.maxed_writes.lock();
+        while *writes >= MAX_MAXED_WRITES {
+            self.config.global_error()?;
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                break;
+            }
+            let wait = (deadline - now).min(std::time::Duration::from_millis(10));
+            let _timed_out = self.maxed_write_done.wait_for(&mut writes, wait);
+        }
+        Ok(())
+    }
+
     pub fn start(config: RunningConfig, snapshot: &Snapshot) -> Result<IoBufs> {
         let segment_cleaner = SegmentCleaner::default();
 
@@ -407,6 +462,9 @@ impl IoBufs {
             config,
 
             iobuf: AtomicPtr::new(Arc::into_raw(Arc::new(iobuf)) as *mut IoBuf),
+            maxed_writes: Mutex::new(0),
+            maxed_write_done: Condvar::new(),
+            peak_maxed_writes: AtomicUsize::new(0),
 
             intervals: Mutex::new(StabilityIntervals::new(stable)),
             interval_updated: Condvar::new(),
@@ -1042,6 +1100,13 @@ pub(in crate::pagecache) fn maybe_seal_and_write_iobuf(
 
     let res_len = header::offset(header);
     let maxed = from_reserve || capacity - res_len < MAX_MSG_HEADER_LEN;
+    if maxed {
+        // voucher-cdc patch (PATCHES.md): sealing this buffer allocates the
+        // next segment's; bound the full ones still waiting for the disk.
+        // The header may change meanwhile: the CAS below then fails, and
+        // the caller tries again.
+        iobufs.wait_for_maxed_writes()?;
+    }
     let sealed = if maxed {
         trace!("setting maxed to true for iobuf with lsn {}", lsn);
         header::mk_maxed(header::mk_sealed(header))
@@ -1052,6 +1117,10 @@ pub(in crate::pagecache) fn maybe_seal_and_write_iobuf(
     let worked = iobuf.cas_header(header, sealed).is_ok();
     if !worked {
         return Ok(());
+    }
+    if maxed {
+        // voucher-cdc patch (PATCHES.md): counted until written.
+        iobufs.maxed_buffer_sealed();
     }
 
     trace!("sealed iobuf with lsn {}", lsn);
@@ -1161,7 +1230,13 @@ pub(in crate::pagecache) fn maybe_seal_and_write_iobuf(
 
     let old_arc = unsafe { Arc::from_raw(old_ptr) };
 
-    pin().defer(move || drop(old_arc));
+    // voucher-cdc patch (PATCHES.md): hand the old buffer to the collector
+    // now; left in this thread's bag, it (and the segment's memory it may
+    // hold) waited until 64 more deferrals filled the bag.
+    let guard = pin();
+    guard.defer(move || drop(old_arc));
+    guard.flush();
+    drop(guard);
 
     // having held the mutex makes this linearized
     // with the notify below.
@@ -1181,7 +1256,10 @@ pub(in crate::pagecache) fn maybe_seal_and_write_iobuf(
         let iobufs = iobufs.clone();
         let iobuf = iobuf.clone();
         let _result = threadpool::spawn(move || {
-            if let Err(e) = iobufs.write_to_log(&iobuf) {
+            let written = iobufs.write_to_log(&iobuf);
+            // voucher-cdc patch (PATCHES.md).
+            iobufs.buffer_written(iobuf.get_header());
+            if let Err(e) = written {
                 error!(
                     "hit error while writing iobuf with lsn {}: {:?}",
                     lsn, e

@@ -436,7 +436,10 @@ impl Log {
             let iobufs = self.iobufs.clone();
             let iobuf = iobuf.clone();
             threadpool::spawn(move || {
-                if let Err(e) = iobufs.write_to_log(&iobuf) {
+                let written = iobufs.write_to_log(&iobuf);
+                // voucher-cdc patch (PATCHES.md).
+                iobufs.buffer_written(iobuf.get_header());
+                if let Err(e) = written {
                     error!(
                         "hit error while writing iobuf with lsn {}: {:?}",
                         lsn, e
