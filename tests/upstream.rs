@@ -859,3 +859,140 @@ async fn a_next_cursor_that_repeats_the_cursor_sent_ends_the_stream_instead_of_l
          and the watermark does not move"
     );
 }
+
+/// Whether `future` finishes within `wait`.
+async fn finishes_within<T>(
+    wait: Duration,
+    future: impl std::future::Future<Output = T>,
+) -> Option<T> {
+    tokio::time::timeout(wait, future).await.ok()
+}
+
+#[tokio::test]
+async fn listing_bodies_beyond_the_clients_body_budget_are_read_only_once_held_pages_are_dropped() {
+    let sim = simulator(2, 200, 20).await;
+    // A budget of one unit: any page takes all of it.
+    let client = client_with(
+        ClientOptions {
+            body_budget_bytes: 1,
+            ..options(&sim)
+        },
+        sim.token(),
+    );
+    let query = ListQuery {
+        include_relations: true,
+        ..ListQuery::default()
+    };
+    let held = client
+        .list_page(1, Resource::Categories, &query)
+        .await
+        .unwrap();
+    assert_eq!(held.body.bytes(), 1024, "the whole budget");
+
+    // Another tenant's page waits for it, its request answered but unread.
+    let other = client.list_page(2, Resource::Categories, &query);
+    tokio::pin!(other);
+    assert!(
+        finishes_within(Duration::from_millis(300), &mut other)
+            .await
+            .is_none(),
+        "a second page was read while the first held the whole budget"
+    );
+    // Calls other than listings never wait: a holder may need them (a GET
+    // confirming a delete) before it drops its page.
+    let id = sim.record_ids(2, Resource::Categories)[0];
+    let single = finishes_within(Duration::from_secs(5), client.get_category(2, id)).await;
+    assert_eq!(single.expect("a single GET waited").unwrap().id, id);
+
+    drop(held);
+    let other = finishes_within(Duration::from_secs(5), &mut other)
+        .await
+        .expect("the page was not read once the budget was free")
+        .unwrap();
+    assert_eq!(other.records.len(), 20);
+}
+
+/// A listing page of `records` vouchers as the API writes it.
+fn page_body(first_id: i64, records: i64) -> String {
+    let filler = "x".repeat(1000);
+    let data: Vec<String> = (first_id..first_id + records)
+        .map(|id| format!(r#"{{"id":{id},"updated_at":"2026-01-01T00:00:00Z","name":"{filler}"}}"#))
+        .collect();
+    format!(
+        r#"{{"data":[{}],"next_cursor":null,"server_time":"2026-01-01T00:00:00Z"}}"#,
+        data.join(",")
+    )
+}
+
+/// A one-shot HTTP server on loopback: it answers each of its connections'
+/// one request with a page (`Connection: close`), tenant 1's at once, and
+/// tenant 2's headers and first half at once, its second half `late` later.
+async fn slow_second_half_server(late: Duration) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut request = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                    let Ok(n @ 1..) = socket.read(&mut buf).await else {
+                        return;
+                    };
+                    request.extend_from_slice(&buf[..n]);
+                }
+                let slow = String::from_utf8_lossy(&request).contains("/tenants/2/");
+                let body = page_body(if slow { 100 } else { 1 }, 50);
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                    body.len()
+                );
+                let (first, second) = body.as_bytes().split_at(body.len() / 2);
+                let _ = socket.write_all(head.as_bytes()).await;
+                let _ = socket.write_all(first).await;
+                if slow {
+                    tokio::time::sleep(late).await;
+                }
+                let _ = socket.write_all(second).await;
+                let _ = socket.shutdown().await;
+            });
+        }
+    });
+    format!("http://{address}/api/external/v1")
+}
+
+#[tokio::test]
+async fn a_wait_for_the_body_budget_is_not_counted_in_the_timeout() {
+    // Tenant 2's page waits 1.5 s for the budget (three timeouts), then its
+    // body's second half arrives 0.2 s later: in time, if the timeout counts
+    // only the upstream's time.
+    let base_url = slow_second_half_server(Duration::from_millis(1700)).await;
+    let client = client_with(
+        ClientOptions {
+            base_url: base_url.parse().unwrap(),
+            body_budget_bytes: 1,
+            timeout: Duration::from_millis(500),
+            max_attempts: 1,
+            ..ClientOptions::default()
+        },
+        "test-token",
+    );
+    let held = client
+        .list_page(1, Resource::Vouchers, &ListQuery::default())
+        .await
+        .unwrap();
+    let other = tokio::spawn({
+        let client = client.clone();
+        async move {
+            client
+                .list_page(2, Resource::Vouchers, &ListQuery::default())
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    drop(held);
+    let page = other.await.unwrap().expect("the wait counted as a timeout");
+    assert_eq!(page.records.len(), 50);
+    assert_eq!(page.records[0].id, 100);
+}

@@ -13,6 +13,9 @@
 //! read. A page as large as the budget takes all of it, and the page after it
 //! is only requested once it is dropped: a listing of pages that large is
 //! read page by page, holding one at a time.
+//! Across streams, every page's body also holds a share of its client's
+//! body budget (`upstream::body_budget`) until the page is dropped; a group
+//! keeps its pages' shares, since its records are slices of their bodies.
 //!
 //! A group changes nothing the sweep promises: its intents are one durable
 //! batch before its first event is published, and its hashes are committed
@@ -29,6 +32,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::upstream::body_budget::BodyShare;
 use crate::upstream::error::UpstreamError;
 use crate::upstream::page::{Page, Record};
 
@@ -170,13 +174,18 @@ pub struct PageGroup {
     /// True when the last page taken has a next page.
     pub more: bool,
     budget: Vec<PageBudget>,
+    /// The pages' shares of their client's body budget: their records are
+    /// slices of those bodies.
+    bodies: Vec<BodyShare>,
 }
 
 impl PageGroup {
     /// Adds `page`'s records after those already taken; its share of the
-    /// budget is released with the group.
+    /// budget and its body's share of the client's are released with the
+    /// group.
     pub fn take(&mut self, page: Page, budget: PageBudget) {
         self.pages += 1;
+        self.bodies.push(page.body);
         self.listed_at.get_or_insert(page.server_time);
         self.more = page.next_cursor.is_some();
         if self.records.is_empty() {
@@ -194,6 +203,7 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
 
+    use crate::upstream::body_budget::BodyBudget;
     use crate::upstream::page::RawJson;
 
     /// A page of `records` records of about `bytes` bytes each; the last has no next cursor.
@@ -211,6 +221,7 @@ mod tests {
             next_cursor: (!last).then(|| format!("after-{first_id}")),
             server_time: DateTime::from_timestamp(1_700_000_000 + first_id, 0).expect("time"),
             skipped: 0,
+            body: Default::default(),
         }
     }
 
@@ -398,6 +409,28 @@ mod tests {
             semaphore.available_permits(),
             10,
             "a group releases its pages' budget"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_group_holds_its_pages_body_shares_until_it_is_dropped() {
+        // The records are slices of their page's body: the body's share of
+        // the client's budget must outlive the page the records left.
+        let bodies = BodyBudget::new(64 << 10);
+        let semaphore = Arc::new(Semaphore::new(10));
+        let permit = || PageBudget(semaphore.clone().try_acquire_owned().expect("permit"));
+        let mut group = PageGroup::default();
+        for first_id in [0, 3] {
+            let mut listed = page(first_id, 3, 100, first_id == 3);
+            listed.body = bodies.hold(4 << 10).await;
+            group.take(listed, permit());
+        }
+        assert_eq!(bodies.held_bytes(), 8 << 10);
+        drop(group);
+        assert_eq!(
+            bodies.held_bytes(),
+            0,
+            "a group releases its bodies' shares"
         );
     }
 }

@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use url::Url;
 
+use super::body_budget::{BodyBudget, BodyShare, DEFAULT_BODY_BUDGET_BYTES};
 use super::error::UpstreamError;
 use super::page::{
     decode_page, decode_page_hashed, decode_record_in, DecodedPage, ListQuery, Page, Record,
@@ -54,6 +55,9 @@ pub struct ClientOptions {
     pub rate_limit_window: Duration,
     /// CA certificates trusted besides the public roots (`upstream.ca_file`).
     pub ca: Option<TrustRoots>,
+    /// Bytes of listing bodies held in memory at once across every stream
+    /// of the client ([`BodyBudget`]).
+    pub body_budget_bytes: usize,
 }
 
 impl Default for ClientOptions {
@@ -67,6 +71,7 @@ impl Default for ClientOptions {
             retry_after_max: Duration::from_secs(120),
             rate_limit_window: Duration::from_secs(60),
             ca: None,
+            body_budget_bytes: DEFAULT_BODY_BUDGET_BYTES,
         }
     }
 }
@@ -120,6 +125,8 @@ struct Inner {
     token_id: String,
     /// The token's shared request budget.
     budget: Arc<RateBudget>,
+    /// The listing bodies held in memory, across every stream.
+    bodies: BodyBudget,
 }
 
 impl fmt::Debug for UpstreamClient {
@@ -160,6 +167,9 @@ struct Call {
     body: Option<Bytes>,
     /// What may be retried.
     policy: RetryPolicy,
+    /// A listing page: its body takes a share of the [`BodyBudget`] before
+    /// it is read.
+    holds_body: bool,
 }
 
 /// How one attempt failed.
@@ -229,14 +239,16 @@ impl UpstreamClient {
             })?;
             builder = builder.add_root_certificate(certificate);
         }
+        // No client-wide timeout: `send_once` applies `opts.timeout` to the
+        // request and its body, not to a wait for the body budget between.
         let http = builder
-            .timeout(opts.timeout)
             .redirect(reqwest::redirect::Policy::none())
             .user_agent(concat!("voucher-cdc/", env!("CARGO_PKG_VERSION")))
             .default_headers(default_headers)
             .build()
             .map_err(|e| UpstreamError::Config(format!("building the http client failed: {e}")))?;
         let token_id = token.fingerprint();
+        let bodies = BodyBudget::new(opts.body_budget_bytes);
         Ok(Self {
             inner: Arc::new(Inner {
                 http,
@@ -245,6 +257,7 @@ impl UpstreamClient {
                 token,
                 token_id,
                 budget,
+                bodies,
             }),
             lane: Lane::default(),
             hash_without: None,
@@ -311,17 +324,24 @@ impl UpstreamClient {
             Resource::Vouchers => "/tenants/{tenant}/catalog/vouchers",
             Resource::Categories => "/tenants/{tenant}/catalog/categories",
         };
-        let call = self.get_call(tenant, resource.as_str(), endpoint, url, path);
-        let DecodedPage {
-            page,
-            skipped_records,
-        } = match &self.hash_without {
+        let call = Call {
+            holds_body: true,
+            ..self.get_call(tenant, resource.as_str(), endpoint, url, path)
+        };
+        let (
+            DecodedPage {
+                mut page,
+                skipped_records,
+            },
+            share,
+        ) = match &self.hash_without {
             Some(ignore) => {
-                self.execute(&call, |body| decode_page_hashed(body, ignore))
+                self.execute_holding(&call, |body| decode_page_hashed(body, ignore))
                     .await?
             }
-            None => self.execute(&call, decode_page).await?,
+            None => self.execute_holding(&call, decode_page).await?,
         };
+        page.body = share;
         for skipped in &skipped_records {
             tracing::warn!(
                 tenant,
@@ -364,6 +384,7 @@ impl UpstreamClient {
             endpoint: "/tenants/{tenant}/redemptions",
             body: Some(Bytes::from(body)),
             policy: RetryPolicy::RateLimitOnly,
+            holds_body: false,
         };
         self.execute(&call, |body| {
             #[derive(Deserialize)]
@@ -424,6 +445,7 @@ impl UpstreamClient {
             endpoint,
             body: None,
             policy: RetryPolicy::Idempotent,
+            holds_body: false,
         }
     }
 
@@ -442,6 +464,17 @@ impl UpstreamClient {
         call: &Call,
         decode: impl Fn(&Bytes) -> Result<T, String>,
     ) -> Result<T, UpstreamError> {
+        let (value, _share) = self.execute_holding(call, decode).await?;
+        Ok(value)
+    }
+
+    /// [`Self::execute`], with the body's share of the [`BodyBudget`] (a
+    /// listing page's; none for other calls).
+    async fn execute_holding<T>(
+        &self,
+        call: &Call,
+        decode: impl Fn(&Bytes) -> Result<T, String>,
+    ) -> Result<(T, BodyShare), UpstreamError> {
         let opts = &self.inner.opts;
         let max_attempts = opts.max_attempts.max(1);
         let mut attempt = 0u32;
@@ -449,8 +482,8 @@ impl UpstreamClient {
             attempt += 1;
             self.inner.budget.acquire_in(self.lane).await;
             let failure = match self.send_once(call).await {
-                Ok(body) => match decode(&body) {
-                    Ok(value) => return Ok(value),
+                Ok((body, share)) => match decode(&body) {
+                    Ok(value) => return Ok((value, share)),
                     Err(reason) => {
                         let err = UpstreamError::InvalidResponse {
                             path: call.path.clone(),
@@ -524,8 +557,10 @@ impl UpstreamClient {
         }
     }
 
-    /// One attempt: send, read the whole body, classify the status.
-    async fn send_once(&self, call: &Call) -> Result<Bytes, Failure> {
+    /// One attempt: send, read the whole body, classify the status. The
+    /// attempt's `timeout` covers the request and the body, not the wait of
+    /// a listing page's body for its share of the [`BodyBudget`] between them.
+    async fn send_once(&self, call: &Call) -> Result<(Bytes, BodyShare), Failure> {
         let mut request = self
             .inner
             .http
@@ -536,13 +571,20 @@ impl UpstreamClient {
                 .header(CONTENT_TYPE, "application/json")
                 .body(body.clone());
         }
+        let timeout = self.inner.opts.timeout;
         let started = std::time::Instant::now();
-        let response = match request.send().await {
-            Ok(response) => response,
-            Err(e) => {
+        let sent = tokio::time::timeout(timeout, request.send()).await;
+        let response = match sent {
+            Ok(Ok(response)) => response,
+            Ok(Err(e)) => {
                 self.count_request(call, "error");
                 observe_duration(call, "error", started);
                 return Err(self.transport_failure(call, &e));
+            }
+            Err(_elapsed) => {
+                self.count_request(call, "error");
+                observe_duration(call, "error", started);
+                return Err(self.timeout_failure(call));
             }
         };
         let status = response.status();
@@ -560,7 +602,23 @@ impl UpstreamClient {
             .get(RETRY_AFTER)
             .and_then(|value| value.to_str().ok())
             .map(str::to_owned);
-        let body = read_body(response).await;
+        let (share, started) = if call.holds_body && status.is_success() {
+            let waiting = std::time::Instant::now();
+            let share = self
+                .inner
+                .bodies
+                .hold(response.content_length().unwrap_or(0))
+                .await;
+            // The wait is not the upstream's time: neither timed nor observed.
+            (share, started + waiting.elapsed())
+        } else {
+            (BodyShare::default(), started)
+        };
+        let left = timeout.saturating_sub(started.elapsed());
+        let body = match tokio::time::timeout(left, read_body(response)).await {
+            Ok(body) => body.map_err(|e| self.transport_failure(call, &e)),
+            Err(_elapsed) => Err(self.timeout_failure(call)),
+        };
         observe_duration(
             call,
             if body.is_ok() {
@@ -571,7 +629,7 @@ impl UpstreamClient {
             started,
         );
         if status.is_success() {
-            return body.map_err(|e| self.transport_failure(call, &e));
+            return body.map(|body| (body, share));
         }
         // An unreadable error body still leaves the status to act on.
         let body = body.unwrap_or_default();
@@ -662,8 +720,7 @@ impl UpstreamClient {
             });
         }
         if err.is_timeout() {
-            let after = self.inner.opts.timeout;
-            return Failure::Retriable(UpstreamError::Timeout { path, after }, "timeout");
+            return self.timeout_failure(call);
         }
         let root = root_cause(err);
         if err.is_body() || err.is_decode() {
@@ -677,6 +734,12 @@ impl UpstreamClient {
         };
         let reason = format!("{what}: {root}");
         Failure::Retriable(UpstreamError::Transport { path, reason }, "connect")
+    }
+
+    /// An attempt that outlived `timeout`: retriable.
+    fn timeout_failure(&self, call: &Call) -> Failure {
+        let (path, after) = (call.path.clone(), self.inner.opts.timeout);
+        Failure::Retriable(UpstreamError::Timeout { path, after }, "timeout")
     }
 
     /// Removes the token from upstream-provided text, in case the upstream echoes it

@@ -12,6 +12,7 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
+use super::body_budget::BodyShare;
 use crate::hash::{content_hash, content_hash_at, ContentHash, HashError, IgnoreKeys, ValueSpan};
 use crate::json::{skip_ws, value_end, walk_object, Visited};
 use crate::stream::Resource;
@@ -117,6 +118,9 @@ pub struct Page {
     pub server_time: DateTime<Utc>,
     /// Records dropped because they had no usable integer id.
     pub skipped: usize,
+    /// The body's share of its client's body budget, held while the page
+    /// (whose records are slices of that body) lives.
+    pub body: BodyShare,
 }
 
 impl Page {
@@ -250,6 +254,7 @@ pub fn decode_page(body: &Bytes) -> Result<DecodedPage, String> {
             next_cursor: envelope.next_cursor,
             server_time: envelope.server_time,
             skipped: skipped_records.len(),
+            body: BodyShare::default(),
         },
         skipped_records,
     })
@@ -312,6 +317,7 @@ fn decode_plain_page(body: &Bytes, ignore: &Arc<IgnoreKeys>) -> Option<DecodedPa
             next_cursor: next_cursor?,
             server_time: server_time?,
             skipped: 0,
+            body: BodyShare::default(),
         },
         skipped_records: Vec::new(),
     })
