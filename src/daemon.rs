@@ -32,6 +32,7 @@ use crate::sinks::{Sink, SinkBuildError};
 use crate::state::{SledStore, StateError, StateStore};
 use crate::stream::{StreamKey, TenantId};
 use crate::sweep::{Progress, SweepSettings, Sweeper};
+use crate::upstream::body_budget::BodyBudget;
 use crate::upstream::client::{ClientOptions, SecretToken, UpstreamClient};
 use crate::upstream::error::UpstreamError;
 use crate::upstream::ratelimit::{BudgetRegistry, RateBudget};
@@ -146,6 +147,9 @@ pub fn clients_with(
     options: ClientOptions,
 ) -> Result<HashMap<StreamKey, UpstreamClient>, DaemonError> {
     let budgets = BudgetRegistry::new();
+    // One body budget for the process: tenants with tokens of their own
+    // list into the same memory.
+    let bodies = Arc::new(BodyBudget::new(options.body_budget_bytes));
     let mut by_token: HashMap<[u8; 32], UpstreamClient> = HashMap::new();
     let mut clients = HashMap::with_capacity(streams.len());
     for key in streams {
@@ -162,8 +166,13 @@ pub fn clients_with(
                     config.upstream.requests_per_minute,
                     config.upstream.rate_window,
                 );
-                let client = UpstreamClient::new(options.clone(), token, budget)
-                    .map_err(DaemonError::Upstream)?;
+                let client = UpstreamClient::with_body_budget(
+                    options.clone(),
+                    token,
+                    budget,
+                    bodies.clone(),
+                )
+                .map_err(DaemonError::Upstream)?;
                 by_token.insert(id, client.clone());
                 client
             }

@@ -925,9 +925,10 @@ fn page_body(first_id: i64, records: i64) -> String {
 }
 
 /// A one-shot HTTP server on loopback: it answers each of its connections'
-/// one request with a page (`Connection: close`), tenant 1's at once, and
-/// tenant 2's headers and first half at once, its second half `late` later.
-async fn slow_second_half_server(late: Duration) -> String {
+/// one request with a page of 50 vouchers (`Connection: close`): tenant 1's
+/// at once, tenant 2's headers and first half at once and its second half
+/// `late` later, tenant 3's at once without a `Content-Length` (chunked).
+async fn page_server(late: Duration) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
@@ -942,19 +943,27 @@ async fn slow_second_half_server(late: Duration) -> String {
                     };
                     request.extend_from_slice(&buf[..n]);
                 }
-                let slow = String::from_utf8_lossy(&request).contains("/tenants/2/");
-                let body = page_body(if slow { 100 } else { 1 }, 50);
-                let head = format!(
-                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-                    body.len()
-                );
-                let (first, second) = body.as_bytes().split_at(body.len() / 2);
-                let _ = socket.write_all(head.as_bytes()).await;
-                let _ = socket.write_all(first).await;
-                if slow {
-                    tokio::time::sleep(late).await;
+                let request = String::from_utf8_lossy(&request).into_owned();
+                let tenant = (1..=3)
+                    .find(|t| request.contains(&format!("/tenants/{t}/")))
+                    .unwrap_or(1);
+                let body = page_body(tenant * 100, 50);
+                let head =
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n";
+                if tenant == 3 {
+                    let chunked = format!("{:x}\r\n{body}\r\n0\r\n\r\n", body.len());
+                    let reply = format!("{head}transfer-encoding: chunked\r\n\r\n{chunked}");
+                    let _ = socket.write_all(reply.as_bytes()).await;
+                } else {
+                    let head = format!("{head}content-length: {}\r\n\r\n", body.len());
+                    let (first, second) = body.as_bytes().split_at(body.len() / 2);
+                    let _ = socket.write_all(head.as_bytes()).await;
+                    let _ = socket.write_all(first).await;
+                    if tenant == 2 {
+                        tokio::time::sleep(late).await;
+                    }
+                    let _ = socket.write_all(second).await;
                 }
-                let _ = socket.write_all(second).await;
                 let _ = socket.shutdown().await;
             });
         }
@@ -962,37 +971,103 @@ async fn slow_second_half_server(late: Duration) -> String {
     format!("http://{address}/api/external/v1")
 }
 
-#[tokio::test]
-async fn a_wait_for_the_body_budget_is_not_counted_in_the_timeout() {
-    // Tenant 2's page waits 1.5 s for the budget (three timeouts), then its
-    // body's second half arrives 0.2 s later: in time, if the timeout counts
-    // only the upstream's time.
-    let base_url = slow_second_half_server(Duration::from_millis(1700)).await;
-    let client = client_with(
+/// A client of `page_server` at `base_url`, one attempt per request.
+fn page_server_client(
+    base_url: &str,
+    body_budget_bytes: usize,
+    timeout: Duration,
+) -> UpstreamClient {
+    client_with(
         ClientOptions {
             base_url: base_url.parse().unwrap(),
-            body_budget_bytes: 1,
-            timeout: Duration::from_millis(500),
+            body_budget_bytes,
+            timeout,
             max_attempts: 1,
             ..ClientOptions::default()
         },
         "test-token",
+    )
+}
+
+#[tokio::test]
+async fn a_body_takes_its_content_length_of_the_budget_and_one_without_takes_all_of_it() {
+    let base_url = page_server(Duration::ZERO).await;
+    let client = page_server_client(&base_url, 4 << 20, Duration::from_secs(10));
+    let query = ListQuery::default();
+    let sized = client
+        .list_page(1, Resource::Vouchers, &query)
+        .await
+        .unwrap();
+    assert_eq!(
+        sized.body.bytes(),
+        page_body(100, 50).len().div_ceil(1024) * 1024
     );
+    drop(sized);
+    let chunked = client
+        .list_page(3, Resource::Vouchers, &query)
+        .await
+        .unwrap();
+    assert_eq!(chunked.records[0].id, 300);
+    assert_eq!(
+        chunked.body.bytes(),
+        4 << 20,
+        "an unknown length is read alone"
+    );
+}
+
+#[tokio::test]
+async fn a_body_waits_one_timeout_for_the_budget_then_is_read_without_the_wait_counted() {
+    // Tenant 1's page holds the whole budget and is never dropped. Tenant
+    // 2's body waits one timeout (0.5 s) for a share, then is read anyway;
+    // its second half arrives 0.7 s after its headers: in time, as long as
+    // the wait is not counted in the timeout.
+    let base_url = page_server(Duration::from_millis(700)).await;
+    let client = page_server_client(&base_url, 1, Duration::from_millis(500));
     let held = client
         .list_page(1, Resource::Vouchers, &ListQuery::default())
         .await
         .unwrap();
-    let other = tokio::spawn({
-        let client = client.clone();
-        async move {
-            client
-                .list_page(2, Resource::Vouchers, &ListQuery::default())
-                .await
-        }
-    });
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    drop(held);
-    let page = other.await.unwrap().expect("the wait counted as a timeout");
+    let page = client
+        .list_page(2, Resource::Vouchers, &ListQuery::default())
+        .await
+        .expect("the wait counted as a timeout");
     assert_eq!(page.records.len(), 50);
-    assert_eq!(page.records[0].id, 100);
+    assert_eq!(page.records[0].id, 200);
+    assert_eq!(
+        page.body.bytes(),
+        0,
+        "read beyond the budget, without a share"
+    );
+    assert_eq!(held.body.bytes(), 1024);
+}
+
+#[test]
+fn tenants_with_tokens_of_their_own_hold_their_listing_bodies_within_one_budget() {
+    let config = voucher_cdc::config::from_toml_str(
+        r#"
+[upstream]
+base_url = "http://127.0.0.1:8080/api/external/v1"
+token = "shared-token"
+
+[[tenants]]
+id = 1
+
+[[tenants]]
+id = 2
+token = "tenant-two-token"
+"#,
+    )
+    .unwrap();
+    let streams: Vec<_> = [1, 2]
+        .into_iter()
+        .map(|tenant| voucher_cdc::stream::StreamKey::new(tenant, Resource::Categories))
+        .collect();
+    let clients =
+        voucher_cdc::daemon::clients_with(&config, &streams, ClientOptions::default()).unwrap();
+    let (one, two) = (&clients[&streams[0]], &clients[&streams[1]]);
+    assert!(
+        !Arc::ptr_eq(one.budget(), two.budget()),
+        "two tokens, two request budgets"
+    );
+    assert!(Arc::ptr_eq(one.body_budget(), two.body_budget()));
 }

@@ -1,15 +1,17 @@
-//! A bound on the listing bodies one client holds in memory, across every
-//! stream it serves.
+//! A bound on the listing bodies the process holds in memory, across every
+//! stream and token (`daemon::clients_with` gives all its clients one).
 //!
 //! Each sweep reads its listing ahead within a budget of its own
 //! (`sweep::read_ahead`), but every stream has one: a page of 50 categories
 //! with their products is about 5.7 MB, and two tenants' category sweeps
 //! starting together held two such bodies, their records and their events at
 //! once, the peak of a whole 100,000-record sync. A listing page now takes
-//! a share of this client-wide budget, sized by its `Content-Length`, before
-//! its body is read (the body waits in the socket meanwhile), and keeps it
-//! until the page is dropped: its records are slices of that body. A body
-//! larger than the whole budget takes all of it, so it is read alone.
+//! a share of this budget, sized by its `Content-Length`, before its body is
+//! read (the body waits in the socket meanwhile), and keeps it until the
+//! page is dropped: its records are slices of that body. A body larger than
+//! the whole budget, or of unknown length, takes all of it, so it is read
+//! alone. The client waits at most one request timeout for a share, then
+//! reads the body without one (`UpstreamClient::share_for`).
 //!
 //! Only listing pages take shares. A request that a holder of a share may
 //! make before it drops its page (a GET confirming a delete, a redemption)

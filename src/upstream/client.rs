@@ -56,7 +56,8 @@ pub struct ClientOptions {
     /// CA certificates trusted besides the public roots (`upstream.ca_file`).
     pub ca: Option<TrustRoots>,
     /// Bytes of listing bodies held in memory at once across every stream
-    /// of the client ([`BodyBudget`]).
+    /// of the client ([`BodyBudget`]; one for every client of a process
+    /// built by `daemon::clients_with`).
     pub body_budget_bytes: usize,
 }
 
@@ -126,7 +127,7 @@ struct Inner {
     /// The token's shared request budget.
     budget: Arc<RateBudget>,
     /// The listing bodies held in memory, across every stream.
-    bodies: BodyBudget,
+    bodies: Arc<BodyBudget>,
 }
 
 impl fmt::Debug for UpstreamClient {
@@ -183,11 +184,25 @@ enum Failure {
 }
 
 impl UpstreamClient {
-    /// Builds a client that spends `budget` (share one budget per token, see `BudgetRegistry`).
+    /// Builds a client that spends `budget` (share one budget per token, see
+    /// `BudgetRegistry`), with a body budget of its own
+    /// (`opts.body_budget_bytes`).
     pub fn new(
         opts: ClientOptions,
         token: SecretToken,
         budget: Arc<RateBudget>,
+    ) -> Result<Self, UpstreamError> {
+        let bodies = Arc::new(BodyBudget::new(opts.body_budget_bytes));
+        Self::with_body_budget(opts, token, budget, bodies)
+    }
+
+    /// [`Self::new`], holding its listing bodies within `bodies`: the
+    /// clients of one process (one per token) share one.
+    pub fn with_body_budget(
+        opts: ClientOptions,
+        token: SecretToken,
+        budget: Arc<RateBudget>,
+        bodies: Arc<BodyBudget>,
     ) -> Result<Self, UpstreamError> {
         match opts.base_url.scheme() {
             "http" | "https" => {}
@@ -248,7 +263,6 @@ impl UpstreamClient {
             .build()
             .map_err(|e| UpstreamError::Config(format!("building the http client failed: {e}")))?;
         let token_id = token.fingerprint();
-        let bodies = BodyBudget::new(opts.body_budget_bytes);
         Ok(Self {
             inner: Arc::new(Inner {
                 http,
@@ -262,6 +276,11 @@ impl UpstreamClient {
             lane: Lane::default(),
             hash_without: None,
         })
+    }
+
+    /// The budget its listing bodies are held within.
+    pub fn body_budget(&self) -> &Arc<BodyBudget> {
+        &self.inner.bodies
     }
 
     /// The options the client was built with.
@@ -604,11 +623,7 @@ impl UpstreamClient {
             .map(str::to_owned);
         let (share, started) = if call.holds_body && status.is_success() {
             let waiting = std::time::Instant::now();
-            let share = self
-                .inner
-                .bodies
-                .hold(response.content_length().unwrap_or(0))
-                .await;
+            let share = self.share_for(call, response.content_length()).await;
             // The wait is not the upstream's time: neither timed nor observed.
             (share, started + waiting.elapsed())
         } else {
@@ -734,6 +749,30 @@ impl UpstreamClient {
         };
         let reason = format!("{what}: {root}");
         Failure::Retriable(UpstreamError::Transport { path, reason }, "connect")
+    }
+
+    /// A listing body's share of the [`BodyBudget`]: sized by its
+    /// `Content-Length`, the whole budget when it has none (read alone). It
+    /// waits at most one `timeout`, then the body is read without a share:
+    /// a response left unread longer may be cut by the upstream, and the
+    /// shares are held up only by other streams' publishing (a stalled sink).
+    async fn share_for(&self, call: &Call, content_length: Option<u64>) -> BodyShare {
+        let bytes = content_length.unwrap_or(u64::MAX);
+        let timeout = self.inner.opts.timeout;
+        match tokio::time::timeout(timeout, self.inner.bodies.hold(bytes)).await {
+            Ok(share) => share,
+            Err(_elapsed) => {
+                tracing::warn!(
+                    tenant = call.tenant,
+                    resource = call.resource,
+                    path = %call.path,
+                    held_bytes = self.inner.bodies.held_bytes(),
+                    waited = %crate::telemetry::human_duration(timeout),
+                    "reading a listing body beyond the body budget: no share came in time"
+                );
+                BodyShare::default()
+            }
+        }
     }
 
     /// An attempt that outlived `timeout`: retriable.

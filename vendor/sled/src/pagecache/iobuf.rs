@@ -339,23 +339,22 @@ impl Drop for IoBufs {
 /// `IoBufs` is a set of lock-free buffers for coordinating
 /// writes to underlying storage.
 impl IoBufs {
-    /// voucher-cdc patch (PATCHES.md): a buffer was sealed as its
-    /// segment's last: counted until its write to the log file finishes.
-    fn maxed_buffer_sealed(&self) {
-        let mut writes = self.maxed_writes.lock();
-        *writes += 1;
-        let _peak = self.peak_maxed_writes.fetch_max(*writes, SeqCst);
-    }
-
     /// voucher-cdc patch (PATCHES.md): the write of `header`'s buffer
     /// finished; it was counted if it was sealed as its segment's last.
     pub(crate) fn buffer_written(&self, header: Header) {
         if header::is_maxed(header) {
-            let mut writes = self.maxed_writes.lock();
-            *writes = writes.saturating_sub(1);
-            drop(writes);
-            let _notified = self.maxed_write_done.notify_all();
+            self.release_maxed_slot();
         }
+    }
+
+    /// voucher-cdc patch (PATCHES.md): gives back a slot taken by
+    /// [`IoBufs::take_maxed_slot`].
+    fn release_maxed_slot(&self) {
+        let mut writes = self.maxed_writes.lock();
+        debug_assert!(*writes > 0, "a full segment's slot released twice");
+        *writes = writes.saturating_sub(1);
+        drop(writes);
+        let _notified = self.maxed_write_done.notify_all();
     }
 
     /// voucher-cdc patch (PATCHES.md): the most segments sealed and not yet
@@ -366,14 +365,17 @@ impl IoBufs {
 
     /// voucher-cdc patch (PATCHES.md): before a buffer is sealed as its
     /// segment's last, which allocates the next segment's buffer, waits
-    /// while `MAX_MAXED_WRITES` sealed segments are not yet written, so
-    /// that segments waiting for the disk are bounded. A sealed segment is
-    /// written once its writers are done, and the only reservation held
-    /// across other log writes is a batch's manifest (batches run one at a
-    /// time), so with a bound of 2 one of the segments waited for is always
-    /// free to be written. Even so, the wait gives up after a second rather
-    /// than risk a hang.
-    fn wait_for_maxed_writes(&self) -> Result<()> {
+    /// while `MAX_MAXED_WRITES` sealed segments are not yet written, then
+    /// takes a slot for this one (under the same lock, so that its write
+    /// cannot finish before it is counted). The caller gives the slot back
+    /// if its seal loses the race; the write gives it back otherwise
+    /// ([`IoBufs::buffer_written`]). A sealed segment is written once its
+    /// writers are done, and the only reservation held across other log
+    /// writes is a batch's manifest (batches run one at a time), so with a
+    /// bound of 2 one of the segments waited for is always free to be
+    /// written. Even so, the wait gives up after a second rather than risk
+    /// a hang (the count may then pass the bound).
+    fn take_maxed_slot(&self) -> Result<()> {
         let deadline = std::time::Instant::now() + MAX_MAXED_WAIT;
         let mut writes = self.maxed_writes.lock();
         while *writes >= MAX_MAXED_WRITES {
@@ -385,6 +387,8 @@ impl IoBufs {
             let wait = (deadline - now).min(std::time::Duration::from_millis(10));
             let _timed_out = self.maxed_write_done.wait_for(&mut writes, wait);
         }
+        *writes += 1;
+        let _peak = self.peak_maxed_writes.fetch_max(*writes, SeqCst);
         Ok(())
     }
 
@@ -1103,9 +1107,9 @@ pub(in crate::pagecache) fn maybe_seal_and_write_iobuf(
     if maxed {
         // voucher-cdc patch (PATCHES.md): sealing this buffer allocates the
         // next segment's; bound the full ones still waiting for the disk.
-        // The header may change meanwhile: the CAS below then fails, and
-        // the caller tries again.
-        iobufs.wait_for_maxed_writes()?;
+        // The header may change meanwhile: the CAS below then fails, the
+        // slot is given back, and the caller tries again.
+        iobufs.take_maxed_slot()?;
     }
     let sealed = if maxed {
         trace!("setting maxed to true for iobuf with lsn {}", lsn);
@@ -1116,11 +1120,11 @@ pub(in crate::pagecache) fn maybe_seal_and_write_iobuf(
 
     let worked = iobuf.cas_header(header, sealed).is_ok();
     if !worked {
+        if maxed {
+            // voucher-cdc patch (PATCHES.md): another thread sealed it.
+            iobufs.release_maxed_slot();
+        }
         return Ok(());
-    }
-    if maxed {
-        // voucher-cdc patch (PATCHES.md): counted until written.
-        iobufs.maxed_buffer_sealed();
     }
 
     trace!("sealed iobuf with lsn {}", lsn);
@@ -1230,17 +1234,18 @@ pub(in crate::pagecache) fn maybe_seal_and_write_iobuf(
 
     let old_arc = unsafe { Arc::from_raw(old_ptr) };
 
+    // having held the mutex makes this linearized
+    // with the notify below.
+    drop(intervals);
+
     // voucher-cdc patch (PATCHES.md): hand the old buffer to the collector
-    // now; left in this thread's bag, it (and the segment's memory it may
-    // hold) waited until 64 more deferrals filled the bag.
+    // now (outside the lock: collecting may free many things); left in this
+    // thread's bag, it (and the segment's memory it may hold) waited until
+    // 64 more deferrals filled the bag.
     let guard = pin();
     guard.defer(move || drop(old_arc));
     guard.flush();
     drop(guard);
-
-    // having held the mutex makes this linearized
-    // with the notify below.
-    drop(intervals);
 
     let _notified = iobufs.interval_updated.notify_all();
 
