@@ -13,7 +13,7 @@
 //! read. A page as large as the budget takes all of it, and the page after it
 //! is only requested once it is dropped: a listing of pages that large is
 //! read page by page, holding one at a time.
-//! Across streams, every page's body also holds a share of its client's
+//! Across streams, every page's body also holds a share of the process's
 //! body budget (`upstream::body_budget`) until the page is dropped; a group
 //! keeps its pages' shares, since its records are slices of their bodies.
 //!
@@ -174,7 +174,7 @@ pub struct PageGroup {
     /// True when the last page taken has a next page.
     pub more: bool,
     budget: Vec<PageBudget>,
-    /// The pages' shares of their client's body budget: their records are
+    /// The pages' shares of the process's body budget: their records are
     /// slices of those bodies.
     bodies: Vec<BodyShare>,
 }

@@ -29,7 +29,7 @@ pub const DEFAULT_BODY_BUDGET_BYTES: usize = 8 << 20;
 /// The budget counts in units of this many bytes (a semaphore's permits).
 const UNIT_BYTES: usize = 1024;
 
-/// The client-wide budget of listing bodies held in memory.
+/// The process's budget of listing bodies held in memory.
 #[derive(Debug)]
 pub struct BodyBudget {
     permits: Arc<Semaphore>,
@@ -69,7 +69,7 @@ impl BodyBudget {
     }
 }
 
-/// A page's share of its client's [`BodyBudget`]: released when the last
+/// A page's share of the [`BodyBudget`]: released when the last
 /// clone is dropped. The default holds nothing.
 #[derive(Debug, Clone, Default)]
 pub struct BodyShare(Option<Arc<OwnedSemaphorePermit>>);
@@ -107,7 +107,8 @@ mod tests {
         assert_eq!(budget.held_bytes(), 3 * UNIT_BYTES);
         drop(clone);
         assert_eq!(budget.held_bytes(), 0);
-        // An empty or unknown body still takes one unit.
+        // An empty body still takes one unit (the client asks for the whole
+        // budget when it does not know the length).
         assert_eq!(budget.hold(0).await.bytes(), UNIT_BYTES);
     }
 

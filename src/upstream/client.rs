@@ -766,6 +766,7 @@ impl UpstreamClient {
                     tenant = call.tenant,
                     resource = call.resource,
                     path = %call.path,
+                    content_length = ?content_length,
                     held_bytes = self.inner.bodies.held_bytes(),
                     waited = %crate::telemetry::human_duration(timeout),
                     "reading a listing body beyond the body budget: no share came in time"

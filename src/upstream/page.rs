@@ -118,7 +118,7 @@ pub struct Page {
     pub server_time: DateTime<Utc>,
     /// Records dropped because they had no usable integer id.
     pub skipped: usize,
-    /// The body's share of its client's body budget, held while the page
+    /// The body's share of the process's body budget, held while the page
     /// (whose records are slices of that body) lives.
     pub body: BodyShare,
 }

@@ -434,6 +434,13 @@ impl Db {
         self.context.pagecache.log.iobufs.peak_maxed_writes()
     }
 
+    /// voucher-cdc patch (PATCHES.md): how often a writer stopped waiting
+    /// for those writes (after a second) and went on past the bound.
+    #[doc(hidden)]
+    pub fn full_segment_wait_timeouts(&self) -> usize {
+        self.context.pagecache.log.iobufs.maxed_wait_timeouts()
+    }
+
     /// Traverses all files and calculates their total physical
     /// size, then traverses all pages and calculates their
     /// total logical size, then divides the physical size

@@ -309,6 +309,7 @@ pub(crate) struct IoBufs {
     maxed_writes: Mutex<usize>,
     maxed_write_done: Condvar,
     peak_maxed_writes: AtomicUsize,
+    maxed_wait_timeouts: AtomicUsize,
 
     // The highest CONTIGUOUS log sequence number that has been written to
     // stable storage. This may be lower than the length of the underlying
@@ -363,6 +364,12 @@ impl IoBufs {
         self.peak_maxed_writes.load(SeqCst)
     }
 
+    /// voucher-cdc patch (PATCHES.md): how often a writer stopped waiting
+    /// for a slot and went on past the bound.
+    pub(crate) fn maxed_wait_timeouts(&self) -> usize {
+        self.maxed_wait_timeouts.load(SeqCst)
+    }
+
     /// voucher-cdc patch (PATCHES.md): before a buffer is sealed as its
     /// segment's last, which allocates the next segment's buffer, waits
     /// while `MAX_MAXED_WRITES` sealed segments are not yet written, then
@@ -382,6 +389,7 @@ impl IoBufs {
             self.config.global_error()?;
             let now = std::time::Instant::now();
             if now >= deadline {
+                let _timeouts = self.maxed_wait_timeouts.fetch_add(1, SeqCst);
                 break;
             }
             let wait = (deadline - now).min(std::time::Duration::from_millis(10));
@@ -469,6 +477,7 @@ impl IoBufs {
             maxed_writes: Mutex::new(0),
             maxed_write_done: Condvar::new(),
             peak_maxed_writes: AtomicUsize::new(0),
+            maxed_wait_timeouts: AtomicUsize::new(0),
 
             intervals: Mutex::new(StabilityIntervals::new(stable)),
             interval_updated: Condvar::new(),
