@@ -84,6 +84,10 @@ pub mod metric {
     pub const BUDGET_WAITING: &str = "voucher_cdc_budget_waiting_requests";
     /// Share of a token's recent grants that went to full sweeps, by `token_id`.
     pub const BUDGET_FULL_SWEEP_SHARE: &str = "voucher_cdc_budget_full_sweep_share";
+    /// Gauge: bytes of listing bodies holding a share of the body budget.
+    pub const UPSTREAM_BODY_BYTES_HELD: &str = "voucher_cdc_upstream_body_bytes_held";
+    /// Gauge: the size of the body budget those shares come from.
+    pub const UPSTREAM_BODY_BUDGET_BYTES: &str = "voucher_cdc_upstream_body_budget_bytes";
 }
 
 /// Log output format (`log.format`).

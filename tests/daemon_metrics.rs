@@ -143,6 +143,19 @@ async fn metrics_parse_and_their_counters_match_the_events_and_the_requests() {
         list_requests as f64
     );
 
+    // Every page was dropped once its sweep ended: no body holds a share.
+    assert!(samples
+        .iter()
+        .any(|s| s.name == "voucher_cdc_upstream_body_bytes_held"));
+    assert_eq!(
+        sum(&samples, "voucher_cdc_upstream_body_bytes_held", &[]),
+        0.0
+    );
+    assert_eq!(
+        sum(&samples, "voucher_cdc_upstream_body_budget_bytes", &[]),
+        (8u64 << 20) as f64
+    );
+
     let latency_count = sum(
         &samples,
         "voucher_cdc_publish_latency_seconds_count",

@@ -21,6 +21,8 @@ use std::sync::Arc;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::telemetry::metric;
+
 /// Bytes of listing bodies a client holds at once when not configured
 /// otherwise: one page of categories with their products and the voucher
 /// pages the other streams read ahead meanwhile.
@@ -40,6 +42,7 @@ impl BodyBudget {
     /// A budget of `bytes` (at least one unit).
     pub fn new(bytes: usize) -> BodyBudget {
         let units = (bytes / UNIT_BYTES).clamp(1, Semaphore::MAX_PERMITS.min(u32::MAX as usize));
+        metrics::gauge!(metric::UPSTREAM_BODY_BUDGET_BYTES).set((units * UNIT_BYTES) as f64);
         BodyBudget {
             permits: Arc::new(Semaphore::new(units)),
             units: units as u32,
@@ -52,14 +55,21 @@ impl BodyBudget {
         let wanted = self.units_for(bytes);
         // Closed never: the budget does not close its semaphore.
         match self.permits.clone().acquire_many_owned(wanted).await {
-            Ok(permit) => BodyShare(Some(Arc::new(permit))),
+            Ok(permit) => {
+                let held = Held {
+                    permit,
+                    units: self.units,
+                };
+                held.report(0);
+                BodyShare(Some(Arc::new(held)))
+            }
             Err(_) => BodyShare::default(),
         }
     }
 
     /// Bytes held by shares now.
     pub fn held_bytes(&self) -> usize {
-        (self.units as usize).saturating_sub(self.permits.available_permits()) * UNIT_BYTES
+        held_bytes(self.units, &self.permits)
     }
 
     /// Units a body of `bytes` takes.
@@ -69,17 +79,43 @@ impl BodyBudget {
     }
 }
 
+/// Bytes held in a budget of `units` whose semaphore is `permits`.
+fn held_bytes(units: u32, permits: &Semaphore) -> usize {
+    (units as usize).saturating_sub(permits.available_permits()) * UNIT_BYTES
+}
+
+/// A share's permits, reporting the bytes held when taken and released.
+#[derive(Debug)]
+struct Held {
+    permit: OwnedSemaphorePermit,
+    units: u32,
+}
+
+impl Held {
+    /// Sets the held-bytes gauge, `leaving` bytes about to be released.
+    fn report(&self, leaving: usize) {
+        let held = held_bytes(self.units, self.permit.semaphore()).saturating_sub(leaving);
+        metrics::gauge!(metric::UPSTREAM_BODY_BYTES_HELD).set(held as f64);
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.report(self.permit.num_permits() * UNIT_BYTES);
+    }
+}
+
 /// A page's share of the [`BodyBudget`]: released when the last
 /// clone is dropped. The default holds nothing.
 #[derive(Debug, Clone, Default)]
-pub struct BodyShare(Option<Arc<OwnedSemaphorePermit>>);
+pub struct BodyShare(Option<Arc<Held>>);
 
 impl BodyShare {
     /// Bytes this share holds (0 for the default).
     pub fn bytes(&self) -> usize {
         self.0
             .as_ref()
-            .map_or(0, |permit| permit.num_permits() * UNIT_BYTES)
+            .map_or(0, |held| held.permit.num_permits() * UNIT_BYTES)
     }
 }
 
