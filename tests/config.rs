@@ -42,6 +42,7 @@ fn a_minimal_config_gets_every_documented_default() {
     let cfg = from_toml_str(MINIMAL).unwrap();
     assert_eq!(cfg.upstream.requests_per_minute, 120);
     assert_eq!(cfg.upstream.timeout.as_secs(), 30);
+    assert_eq!(cfg.upstream.body_budget_bytes, 8 << 20);
     assert_eq!(cfg.poll.interval.as_secs(), 30);
     assert_eq!(cfg.poll.full_resync_interval.as_secs(), 3600);
     assert_eq!(cfg.poll.lookback.as_secs(), 60);
@@ -183,6 +184,11 @@ fn broken_configs() -> Vec<(&'static str, String, &'static str)> {
             "a huge retry_after_max",
             MINIMAL.replace("[upstream]\n", "[upstream]\nretry_after_max = \"100years\"\n"),
             "upstream.retry_after_max: 100years is too long: at most 1day",
+        ),
+        (
+            "an empty body budget",
+            MINIMAL.replace("[upstream]\n", "[upstream]\nbody_budget_mib = 0\n"),
+            "upstream.body_budget_mib: must be between 1 and 16384, got 0",
         ),
         (
             "zero rate",
@@ -426,4 +432,17 @@ fn a_missing_config_file_is_a_usage_error() {
         String::from_utf8_lossy(&out.stderr).trim(),
         "error: config file /nonexistent/voucher-cdc.toml: not found"
     );
+}
+
+#[test]
+fn the_body_budget_in_mib_reaches_every_upstream_client() {
+    let cfg = from_toml_str(&MINIMAL.replace("[upstream]\n", "[upstream]\nbody_budget_mib = 3\n"))
+        .unwrap();
+    let options = voucher_cdc::upstream::client::ClientOptions::from(&cfg.upstream);
+    assert_eq!(options.body_budget_bytes, 3 << 20);
+    let streams = cfg.all_streams();
+    let clients = voucher_cdc::daemon::clients_with(&cfg, &streams, options).unwrap();
+    let client = clients.values().next().unwrap();
+    assert_eq!(client.body_budget().held_bytes(), 0);
+    assert_eq!(client.body_budget().size_bytes(), 3 << 20);
 }

@@ -24,6 +24,7 @@ use crate::sinks::config::RawSinkConfig;
 use crate::stream::{Resource, StreamKey, TenantId};
 use crate::sweep::SweepSettings;
 use crate::telemetry::LogFormat;
+use crate::upstream::body_budget::DEFAULT_BODY_BUDGET_BYTES;
 use crate::upstream::client::ClientOptions;
 use crate::upstream::tls::TrustRoots;
 
@@ -125,6 +126,10 @@ pub struct RawUpstreamConfig {
     /// Longest `Retry-After` honoured after a 429.
     #[serde(default = "default_retry_after_max", with = "humantime_serde")]
     pub retry_after_max: Duration,
+    /// MiB of listing bodies the process holds in memory at once, across
+    /// every tenant and token (`upstream::body_budget`).
+    #[serde(default = "default_body_budget_mib")]
+    pub body_budget_mib: u64,
 }
 
 fn default_requests_per_minute() -> u32 {
@@ -144,6 +149,12 @@ fn default_max_attempts() -> u32 {
 fn default_retry_after_max() -> Duration {
     Duration::from_secs(120)
 }
+/// Default of `upstream.body_budget_mib`: the client's built-in budget.
+fn default_body_budget_mib() -> u64 {
+    (DEFAULT_BODY_BUDGET_BYTES >> 20) as u64
+}
+/// Largest `upstream.body_budget_mib` accepted (16 GiB).
+pub const MAX_BODY_BUDGET_MIB: u64 = 16 << 10;
 
 impl Default for RawUpstreamConfig {
     fn default() -> Self {
@@ -157,6 +168,7 @@ impl Default for RawUpstreamConfig {
             timeout: default_timeout(),
             max_attempts: default_max_attempts(),
             retry_after_max: default_retry_after_max(),
+            body_budget_mib: default_body_budget_mib(),
         }
     }
 }
@@ -182,6 +194,8 @@ pub struct UpstreamConfig {
     pub max_attempts: u32,
     /// Longest `Retry-After` honoured after a 429.
     pub retry_after_max: Duration,
+    /// Bytes of listing bodies held in memory at once (`body_budget_mib`).
+    pub body_budget_bytes: usize,
 }
 
 impl From<&UpstreamConfig> for ClientOptions {
@@ -192,6 +206,7 @@ impl From<&UpstreamConfig> for ClientOptions {
             max_attempts: upstream.max_attempts,
             retry_after_max: upstream.retry_after_max,
             ca: upstream.ca.clone(),
+            body_budget_bytes: upstream.body_budget_bytes,
             ..ClientOptions::default()
         }
     }
@@ -718,6 +733,15 @@ impl RawUpstreamConfig {
             u64::from(self.max_attempts),
             MAX_ATTEMPTS,
         );
+        if !(1..=MAX_BODY_BUDGET_MIB).contains(&self.body_budget_mib) {
+            problems.bad(
+                "upstream.body_budget_mib",
+                format!(
+                    "must be between 1 and {MAX_BODY_BUDGET_MIB}, got {}",
+                    self.body_budget_mib
+                ),
+            );
+        }
         Some(UpstreamConfig {
             base_url: base_url?,
             token,
@@ -727,6 +751,8 @@ impl RawUpstreamConfig {
             timeout: self.timeout,
             max_attempts: self.max_attempts,
             retry_after_max: self.retry_after_max,
+            body_budget_bytes: usize::try_from(self.body_budget_mib.min(MAX_BODY_BUDGET_MIB) << 20)
+                .unwrap_or(usize::MAX),
         })
     }
 

@@ -42,11 +42,12 @@ impl BodyBudget {
     /// A budget of `bytes` (at least one unit).
     pub fn new(bytes: usize) -> BodyBudget {
         let units = (bytes / UNIT_BYTES).clamp(1, Semaphore::MAX_PERMITS.min(u32::MAX as usize));
-        metrics::gauge!(metric::UPSTREAM_BODY_BUDGET_BYTES).set((units * UNIT_BYTES) as f64);
-        BodyBudget {
+        let budget = BodyBudget {
             permits: Arc::new(Semaphore::new(units)),
             units: units as u32,
-        }
+        };
+        metrics::gauge!(metric::UPSTREAM_BODY_BUDGET_BYTES).set(budget.size_bytes() as f64);
+        budget
     }
 
     /// Waits for a share of `bytes` (the whole budget if larger, one unit if
@@ -65,6 +66,11 @@ impl BodyBudget {
             }
             Err(_) => BodyShare::default(),
         }
+    }
+
+    /// The budget's size in bytes.
+    pub fn size_bytes(&self) -> usize {
+        self.units as usize * UNIT_BYTES
     }
 
     /// Bytes held by shares now.
