@@ -2106,9 +2106,15 @@ mod tests {
 
     /// [`reopen`] with a page cache of `cache_bytes`.
     fn reopen_with_cache(path: &Path, cache_bytes: u64) -> Result<SledStore, StateError> {
+        until_unlocked(|| SledStore::open_with_cache(path, cache_bytes))
+    }
+
+    /// Calls `open` until it does not fail with [`StateError::Locked`], for
+    /// up to 10 s: sled lets go of a dropped database's lock a moment later.
+    fn until_unlocked<T>(mut open: impl FnMut() -> Result<T, StateError>) -> Result<T, StateError> {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         loop {
-            match SledStore::open_with_cache(path, cache_bytes) {
+            match open() {
                 Err(StateError::Locked { .. }) if std::time::Instant::now() < deadline => {
                     std::thread::sleep(std::time::Duration::from_millis(20));
                 }
@@ -4041,18 +4047,13 @@ mod tests {
     /// Opens the sled database at `path` once the last one there let go of
     /// its lock (sled's flusher thread ends a moment after a drop).
     fn reopen_sled(path: &Path) -> sled::Db {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        loop {
-            match sled::Config::new().path(path).open() {
-                Err(e)
-                    if matches!(map_sled_error(path, e.clone()), StateError::Locked { .. })
-                        && std::time::Instant::now() < deadline =>
-                {
-                    std::thread::sleep(std::time::Duration::from_millis(20));
-                }
-                opened => return opened.unwrap(),
-            }
-        }
+        until_unlocked(|| {
+            sled::Config::new()
+                .path(path)
+                .open()
+                .map_err(|e| map_sled_error(path, e))
+        })
+        .unwrap()
     }
 
     /// The value `fill_log_segments` writes for `thread` and `n`.

@@ -23,8 +23,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::telemetry::metric;
 
-/// Bytes of listing bodies a client holds at once when not configured
-/// otherwise: one page of categories with their products and the voucher
+/// Bytes of listing bodies the process holds at once when not configured
+/// otherwise (`upstream.body_budget_mib`): one page of categories with their products and the voucher
 /// pages the other streams read ahead meanwhile.
 pub const DEFAULT_BODY_BUDGET_BYTES: usize = 8 << 20;
 
@@ -98,6 +98,11 @@ struct Held {
 }
 
 impl Held {
+    /// Bytes this share holds.
+    fn bytes(&self) -> usize {
+        self.permit.num_permits() * UNIT_BYTES
+    }
+
     /// Sets the held-bytes gauge, `leaving` bytes about to be released.
     fn report(&self, leaving: usize) {
         let held = held_bytes(self.units, self.permit.semaphore()).saturating_sub(leaving);
@@ -107,7 +112,7 @@ impl Held {
 
 impl Drop for Held {
     fn drop(&mut self) {
-        self.report(self.permit.num_permits() * UNIT_BYTES);
+        self.report(self.bytes());
     }
 }
 
@@ -119,9 +124,7 @@ pub struct BodyShare(Option<Arc<Held>>);
 impl BodyShare {
     /// Bytes this share holds (0 for the default).
     pub fn bytes(&self) -> usize {
-        self.0
-            .as_ref()
-            .map_or(0, |held| held.permit.num_permits() * UNIT_BYTES)
+        self.0.as_ref().map_or(0, |held| held.bytes())
     }
 }
 

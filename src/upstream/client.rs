@@ -592,18 +592,16 @@ impl UpstreamClient {
         }
         let timeout = self.inner.opts.timeout;
         let started = std::time::Instant::now();
-        let sent = tokio::time::timeout(timeout, request.send()).await;
+        let sent = match tokio::time::timeout(timeout, request.send()).await {
+            Ok(sent) => sent.map_err(|e| self.transport_failure(call, &e)),
+            Err(_elapsed) => Err(self.timeout_failure(call)),
+        };
         let response = match sent {
-            Ok(Ok(response)) => response,
-            Ok(Err(e)) => {
+            Ok(response) => response,
+            Err(failure) => {
                 self.count_request(call, "error");
                 observe_duration(call, "error", started);
-                return Err(self.transport_failure(call, &e));
-            }
-            Err(_elapsed) => {
-                self.count_request(call, "error");
-                observe_duration(call, "error", started);
-                return Err(self.timeout_failure(call));
+                return Err(failure);
             }
         };
         let status = response.status();
