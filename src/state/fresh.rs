@@ -1,201 +1,203 @@
 //! What a store knows of a stream that was empty when this process first
-//! touched it: which ids it may hold since.
+//! touched it: which ids it holds since.
 //!
 //! A first sync lists ids in change order, so each page's ids lie all over
 //! the stream's id range, and asking the store about them reads a bucket at
 //! random for each: with a million records, most of those reads miss sled's
 //! cache and go to the log file. Yet in a first sync nearly every id is new,
-//! and only this process wrote the stream. [`FreshStream`] keeps a filter of
-//! the ids this process committed to such a stream: an id it says was never
-//! committed is absent from the store, and neither its read nor its commit
-//! needs the stored bucket (the commit stages the record's slot alone, and
-//! the store merges slots into their buckets in key order when it writes the
-//! group). The filter may answer "maybe" for an id never committed (a false
-//! positive costs the read the store would have made anyway); it never says
-//! "absent" for a committed id.
+//! and only this process wrote the stream. [`FreshStream`] keeps the set of
+//! the ids this process committed to such a stream: an id it does not hold
+//! is absent from the store, and neither its read nor its commit needs the
+//! stored bucket (the commit stages the record's slot alone, and the store
+//! merges slots into their buckets in key order when it writes the group).
+//! The set is exact ([`CommittedIds`]: a bitmap for each run of 65,536 ids
+//! it holds many of, a sorted list for one it holds few of), so its memory
+//! follows how the ids spread rather than how many there are: the ids of a
+//! catalog, handed out in sequence, take about a bit each.
 //!
-//! The filter is dropped when it stops paying: once most looked-up ids turn
+//! The set is dropped when it stops paying: once most looked-up ids turn
 //! out to be known (the stream's first sync is over), or when it would
-//! outgrow [`MAX_FILTER_BYTES`]. [`FreshRecords`] holds the records a store
+//! outgrow [`MAX_SET_BYTES`]. [`FreshRecords`] holds the records a store
 //! stages alone. Pure logic, no I/O.
+
+use std::collections::btree_map::Entry;
+use std::collections::BTreeMap;
 
 use super::codec;
 use super::RecordState;
 
-/// Ids a filter layer is sized for first; each later layer holds twice as many.
-const FIRST_LAYER_IDS: usize = 4096;
-
-/// False-positive rate of the first layer; each later layer's is
-/// [`FP_RATE_RATIO`] of the one before, so the rate of the whole filter
-/// stays below 2% (0.004 / (1 - 0.8)).
-const FIRST_LAYER_FP_RATE: f64 = 0.004;
-
-/// Each layer's false-positive rate against the one before it.
-const FP_RATE_RATIO: f64 = 0.8;
-
-/// A filter is dropped rather than grown past this (at about 4.2 million
-/// ids: each layer doubles, and a filter takes 2 to 4 bytes an id, under 2
-/// when its newest layer is nearly full).
-pub(crate) const MAX_FILTER_BYTES: usize = 8 << 20;
+/// A set is dropped rather than grown past this: at least 4 million ids
+/// (a sorted list takes 2 bytes an id), about 65 million of a dense range.
+pub(crate) const MAX_SET_BYTES: usize = 8 << 20;
 
 /// Looked-up ids per window of [`FreshStream::looked_up`]: when more than
-/// half of a window's ids may be known, the filter is no longer worth its
-/// memory and lookups.
+/// half of a window's ids are known, the set is no longer worth its memory
+/// and lookups.
 const WINDOW: u32 = 4096;
 
-/// A growing Bloom filter of record ids: layers of doubling capacity and
-/// falling false-positive rate, one added when the last is full.
+/// Ids of one chunk of a [`CommittedIds`]: 2^16 consecutive ids, the ones
+/// sharing `id >> CHUNK_SHIFT`.
+const CHUNK_SHIFT: u32 = 16;
+
+/// Bytes of a chunk kept as a bitmap: a bit for each of its ids (8 KiB).
+const BITMAP_BYTES: usize = (1 << CHUNK_SHIFT) / 8;
+
+/// Ids a chunk holds as a sorted list at most: 2 bytes each, so past this
+/// the bitmap is the smaller.
+const LIST_MAX: usize = BITMAP_BYTES / 2;
+
+/// Ids a chunk's list has room for when the chunk is created.
+const FIRST_LIST_CAPACITY: usize = 4;
+
+/// What a chunk costs besides its ids: its entry in the map and its list's
+/// or bitmap's header (an estimate, on the high side).
+const CHUNK_OVERHEAD: usize = 64;
+
+/// The ids of one chunk, by their low 16 bits.
 #[derive(Debug)]
-pub(crate) struct IdFilter {
-    layers: Vec<Layer>,
-    /// Ids inserted that no layer held before (the last layer's fill).
-    inserted: usize,
+enum Chunk {
+    /// Sorted, at most [`LIST_MAX`].
+    List(Vec<u16>),
+    /// Bit `low` set for each id held.
+    Bitmap(Box<[u64]>),
 }
 
-/// One Bloom filter of a fixed capacity.
-#[derive(Debug)]
-struct Layer {
-    bits: Vec<u64>,
-    /// Probes per id.
-    probes: u32,
-    /// Ids this layer is sized for.
-    capacity: usize,
-    /// Ids inserted into it.
-    len: usize,
-}
-
-impl Layer {
-    /// A layer for `capacity` ids at false-positive rate `fp_rate`.
-    fn new(capacity: usize, fp_rate: f64) -> Layer {
-        let (words, probes) = Layer::size(capacity, fp_rate);
-        Layer {
-            bits: vec![0; words],
-            probes,
-            capacity,
-            len: 0,
+impl Chunk {
+    fn contains(&self, low: u16) -> bool {
+        match self {
+            Chunk::List(ids) => ids.binary_search(&low).is_ok(),
+            Chunk::Bitmap(bits) => bits[usize::from(low) / 64] & (1 << (low % 64)) != 0,
         }
     }
 
-    /// The 64-bit words and probes a layer for `capacity` ids at `fp_rate` takes.
-    fn size(capacity: usize, fp_rate: f64) -> (usize, u32) {
-        let ln2 = std::f64::consts::LN_2;
-        let bits_per_id = -fp_rate.ln() / (ln2 * ln2);
-        let bits = ((capacity as f64 * bits_per_id).ceil() as usize).max(64);
-        let probes = ((bits_per_id * ln2).round() as u32).clamp(1, 32);
-        (bits.div_ceil(64), probes)
-    }
-
-    /// The bit positions of an id's hash (double hashing) in a layer of
-    /// `words` words probed `probes` times.
-    fn positions(hash: u64, words: usize, probes: u32) -> impl Iterator<Item = usize> {
-        let len = (words * 64) as u64;
-        let (h1, h2) = (hash, hash.rotate_left(32) | 1);
-        (0..u64::from(probes)).map(move |i| (h1.wrapping_add(i.wrapping_mul(h2)) % len) as usize)
-    }
-
-    fn contains(&self, hash: u64) -> bool {
-        Layer::positions(hash, self.bits.len(), self.probes)
-            .all(|bit| self.bits[bit / 64] & (1 << (bit % 64)) != 0)
-    }
-
-    fn insert(&mut self, hash: u64) {
-        for bit in Layer::positions(hash, self.bits.len(), self.probes) {
-            self.bits[bit / 64] |= 1 << (bit % 64);
-        }
-        self.len += 1;
-    }
-
+    /// Bytes the chunk takes besides [`CHUNK_OVERHEAD`].
     fn bytes(&self) -> usize {
-        self.bits.len() * 8
-    }
-}
-
-/// An id's 64-bit hash (splitmix64's finaliser: every input bit moves every
-/// output bit, so neighbouring ids land far apart).
-fn hash_id(id: i64) -> u64 {
-    let mut z = (id as u64).wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-impl IdFilter {
-    /// An empty filter.
-    pub(crate) fn new() -> IdFilter {
-        IdFilter {
-            layers: vec![Layer::new(FIRST_LAYER_IDS, FIRST_LAYER_FP_RATE)],
-            inserted: 0,
+        match self {
+            Chunk::List(ids) => ids.capacity() * 2,
+            Chunk::Bitmap(bits) => bits.len() * 8,
         }
     }
 
-    /// False when `id` was never inserted; true when it was, and for a few
-    /// ids that were not (under 2%).
-    pub(crate) fn may_contain(&self, id: i64) -> bool {
-        let hash = hash_id(id);
-        self.layers.iter().any(|layer| layer.contains(hash))
+    /// Bytes that adding an id it does not hold adds to [`Self::bytes`].
+    fn growth(&self) -> usize {
+        match self {
+            Chunk::List(ids) if ids.len() >= LIST_MAX => BITMAP_BYTES.saturating_sub(self.bytes()),
+            Chunk::List(ids) if ids.len() == ids.capacity() => {
+                (list_capacity_after(ids.capacity()) - ids.capacity()) * 2
+            }
+            Chunk::List(_) | Chunk::Bitmap(_) => 0,
+        }
     }
 
-    /// Adds `id`: true when the filter did not hold it before, false when
-    /// it may have (nothing added), None (nothing added) when holding it
-    /// would grow the filter past `max_bytes`.
+    /// Adds an id it does not hold.
+    fn add(&mut self, low: u16) {
+        match self {
+            Chunk::List(ids) if ids.len() >= LIST_MAX => {
+                let mut bits = vec![0u64; BITMAP_BYTES / 8].into_boxed_slice();
+                for &held in ids.iter().chain([&low]) {
+                    bits[usize::from(held) / 64] |= 1 << (held % 64);
+                }
+                *self = Chunk::Bitmap(bits);
+            }
+            Chunk::List(ids) => {
+                let at = ids.binary_search(&low).unwrap_or_else(|at| at);
+                if ids.len() == ids.capacity() {
+                    ids.reserve_exact(list_capacity_after(ids.capacity()) - ids.len());
+                }
+                ids.insert(at, low);
+            }
+            Chunk::Bitmap(bits) => bits[usize::from(low) / 64] |= 1 << (low % 64),
+        }
+    }
+}
+
+/// The room a full list of `capacity` ids grows to: twice as much, up to
+/// [`LIST_MAX`].
+fn list_capacity_after(capacity: usize) -> usize {
+    (capacity * 2).clamp(FIRST_LIST_CAPACITY, LIST_MAX)
+}
+
+/// An exact set of record ids, compressed as a roaring bitmap is: the ids
+/// sharing their high bits (a chunk of 65,536) are a sorted list of their
+/// low 16 bits while they are few (2 bytes an id), a bitmap of 8 KiB once
+/// they are many.
+#[derive(Debug, Default)]
+pub(crate) struct CommittedIds {
+    chunks: BTreeMap<i64, Chunk>,
+    /// Ids held.
+    len: usize,
+    /// Bytes of the chunks, with their overhead ([`Self::bytes`]).
+    bytes: usize,
+}
+
+/// The chunk of an id and its low 16 bits within it.
+fn split_id(id: i64) -> (i64, u16) {
+    (id >> CHUNK_SHIFT, (id & 0xffff) as u16)
+}
+
+impl CommittedIds {
+    /// True when `id` was inserted.
+    pub(crate) fn contains(&self, id: i64) -> bool {
+        let (chunk, low) = split_id(id);
+        self.chunks.get(&chunk).is_some_and(|c| c.contains(low))
+    }
+
+    /// Adds `id`: true when the set did not hold it before, false when it
+    /// did, None (nothing added) when holding it would grow the set past
+    /// `max_bytes`.
     pub(crate) fn insert(&mut self, id: i64, max_bytes: usize) -> Option<bool> {
-        let hash = hash_id(id);
-        if self.layers.iter().any(|layer| layer.contains(hash)) {
+        let (key, low) = split_id(id);
+        let chunk = self.chunks.get(&key);
+        if chunk.is_some_and(|c| c.contains(low)) {
             return Some(false);
         }
-        if let Some((capacity, fp_rate)) = self.next_layer() {
-            if self.bytes() + Layer::size(capacity, fp_rate).0 * 8 > max_bytes {
-                return None;
+        let growth = match chunk {
+            Some(chunk) => chunk.growth(),
+            None => CHUNK_OVERHEAD + FIRST_LIST_CAPACITY * 2,
+        };
+        if self.bytes + growth > max_bytes {
+            return None;
+        }
+        let (chunk, before) = match self.chunks.entry(key) {
+            Entry::Occupied(entry) => {
+                let chunk = entry.into_mut();
+                let before = chunk.bytes() + CHUNK_OVERHEAD;
+                (chunk, before)
             }
-            self.layers.push(Layer::new(capacity, fp_rate));
-        }
-        if let Some(layer) = self.layers.last_mut() {
-            layer.insert(hash);
-        }
-        self.inserted += 1;
+            Entry::Vacant(entry) => (
+                entry.insert(Chunk::List(Vec::with_capacity(FIRST_LIST_CAPACITY))),
+                0,
+            ),
+        };
+        chunk.add(low);
+        self.bytes = self.bytes - before + chunk.bytes() + CHUNK_OVERHEAD;
+        self.len += 1;
         Some(true)
     }
 
-    /// The capacity and false-positive rate of the layer the next new id
-    /// needs, when the last layer is full.
-    fn next_layer(&self) -> Option<(usize, f64)> {
-        let full = self
-            .layers
-            .last()
-            .is_none_or(|layer| layer.len >= layer.capacity);
-        if !full {
-            return None;
-        }
-        let depth = self.layers.len();
-        let capacity = FIRST_LAYER_IDS << depth.min(40);
-        let depth_exponent = i32::try_from(depth).unwrap_or(i32::MAX);
-        Some((
-            capacity,
-            FIRST_LAYER_FP_RATE * FP_RATE_RATIO.powi(depth_exponent),
-        ))
-    }
-
-    /// Ids inserted (those the filter already seemed to hold not counted).
+    /// Ids held.
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.inserted
+        self.len
     }
 
-    /// Bytes of its bit arrays.
+    /// Bytes it takes: its lists' and bitmaps' room, and an estimate of each
+    /// chunk's overhead.
+    #[cfg(test)]
     pub(crate) fn bytes(&self) -> usize {
-        self.layers.iter().map(Layer::bytes).sum()
+        self.bytes
     }
 }
 
 /// A stream that was empty when this process first touched it: the ids
-/// committed to it since, and how often its lookups found an id it may hold.
+/// committed to it since, and how often its lookups found an id it holds.
 #[derive(Debug)]
 pub(crate) struct FreshStream {
-    committed: IdFilter,
+    committed: CommittedIds,
     /// Mean size of the buckets its last group of records staged alone
     /// wrote: what each bucket a group starts to stage records for counts.
     pub(crate) bucket_bytes: usize,
-    /// Ids looked up in the current window, and how many the filter may hold.
+    /// Ids looked up in the current window, and how many of them it holds.
     window_lookups: u32,
     window_known: u32,
 }
@@ -204,28 +206,28 @@ impl FreshStream {
     /// A stream with no record.
     pub(crate) fn new() -> FreshStream {
         FreshStream {
-            committed: IdFilter::new(),
+            committed: CommittedIds::default(),
             bucket_bytes: 0,
             window_lookups: 0,
             window_known: 0,
         }
     }
 
-    /// False when `id` was never committed to the stream (it is absent).
-    pub(crate) fn may_hold(&self, id: i64) -> bool {
-        self.committed.may_contain(id)
+    /// True when `id` was committed to the stream; false when it is absent.
+    pub(crate) fn holds(&self, id: i64) -> bool {
+        self.committed.contains(id)
     }
 
     /// Records that `id` is being committed to the stream: true when it was
-    /// never committed before (it is absent), false when it may have been;
-    /// None (nothing recorded) when the filter would grow past
-    /// [`MAX_FILTER_BYTES`]: it must then be dropped before the commit.
+    /// never committed before (it is absent), false when it was; None
+    /// (nothing recorded) when the set would grow past [`MAX_SET_BYTES`]:
+    /// it must then be dropped before the commit.
     pub(crate) fn committed(&mut self, id: i64) -> Option<bool> {
-        self.committed.insert(id, MAX_FILTER_BYTES)
+        self.committed.insert(id, MAX_SET_BYTES)
     }
 
-    /// Counts one lookup of an id the filter `known` may hold; false when the
-    /// filter is no longer worth keeping: more than half of a window's ids
+    /// Counts one lookup of an id, `known` when the set holds it; false when
+    /// the set is no longer worth keeping: more than half of a window's ids
     /// were known (the stream's first sync is over).
     pub(crate) fn looked_up(&mut self, known: bool) -> bool {
         self.window_lookups += 1;
@@ -241,7 +243,7 @@ impl FreshStream {
         true
     }
 
-    /// Ids committed since the stream was empty (as the filter counts them).
+    /// Ids committed since the stream was empty.
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.committed.len()
@@ -326,99 +328,130 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    #[test]
-    fn a_filter_never_calls_an_inserted_id_absent_across_every_layer_it_grows() {
-        let mut filter = IdFilter::new();
-        let ids: Vec<i64> = (0..200_000i64).map(|i| i * 7919 - 1_000_000).collect();
-        for &id in &ids {
-            filter.insert(id, usize::MAX);
+    /// Inserts `ids` into a set without a cap, checking each answer
+    /// against a `HashSet`, then every membership.
+    fn check_against_a_hash_set(ids: impl IntoIterator<Item = i64>) -> CommittedIds {
+        let mut set = CommittedIds::default();
+        let mut model = std::collections::HashSet::new();
+        for id in ids {
+            assert_eq!(
+                set.insert(id, usize::MAX),
+                Some(model.insert(id)),
+                "id {id}"
+            );
         }
-        assert!(filter.layers.len() >= 5, "{} layers", filter.layers.len());
-        let missed = ids.iter().filter(|&&id| !filter.may_contain(id)).count();
-        assert_eq!(missed, 0);
-        assert_eq!(filter.len(), ids.len() - count_already_held(&ids));
-    }
-
-    /// Ids the filter took for already inserted when they came (its own false positives).
-    fn count_already_held(ids: &[i64]) -> usize {
-        let mut filter = IdFilter::new();
-        let mut held = 0;
-        for &id in ids {
-            if filter.insert(id, usize::MAX) == Some(false) {
-                held += 1;
+        assert_eq!(set.len(), model.len());
+        for &id in &model {
+            assert!(set.contains(id), "id {id} inserted, not held");
+            for other in [id.wrapping_sub(1), id.wrapping_add(1), id ^ 0x1_0000] {
+                assert_eq!(set.contains(other), model.contains(&other), "id {other}");
             }
         }
-        held
+        set
     }
 
     #[test]
-    fn a_filter_of_half_a_million_ids_calls_under_two_percent_of_other_ids_present_in_under_two_bytes_an_id(
-    ) {
-        let mut filter = IdFilter::new();
-        for id in 0..500_000i64 {
-            filter.insert(id, usize::MAX);
-        }
-        let others = 200_000;
-        let false_positives = (1_000_000..1_000_000 + others)
-            .filter(|&id| filter.may_contain(id))
+    fn a_set_holds_exactly_the_ids_inserted_across_lists_turned_into_bitmaps() {
+        // Dense runs (lists that become bitmaps), sparse ids, negatives and
+        // both ends of the range, in a scattered order.
+        let dense = (0..20_000i64).map(|i| (i * 7_919) % 20_000);
+        let sparse = (0..3_000i64).map(|i| i * 104_729 - 150_000_000);
+        let ends = [i64::MIN, i64::MIN + 1, -1, 0, i64::MAX - 1, i64::MAX];
+        let set = check_against_a_hash_set(dense.chain(sparse).chain(ends).chain(0..10));
+        let bitmaps = set
+            .chunks
+            .values()
+            .filter(|c| matches!(c, Chunk::Bitmap(_)))
             .count();
-        let rate = false_positives as f64 / others as f64;
-        assert!(rate < 0.02, "false-positive rate {rate}");
-        assert!(rate > 0.0, "a Bloom filter that never errs is too large");
-        let per_id = filter.bytes() as f64 / 500_000.0;
-        assert!(per_id < 2.0, "{per_id} bytes an id");
+        assert_eq!(bitmaps, 1, "20,000 ids of one chunk are a bitmap");
+        assert!(!set.contains(20_000) && !set.contains(-20_001));
     }
 
     #[test]
-    fn an_empty_filter_holds_nothing() {
-        let filter = IdFilter::new();
-        assert!((-1000..1000).all(|id| !filter.may_contain(id)));
-        assert!(!filter.may_contain(i64::MIN) && !filter.may_contain(i64::MAX));
+    fn a_chunk_becomes_a_bitmap_at_the_id_after_its_list_is_full() {
+        let mut set = CommittedIds::default();
+        for id in 0..LIST_MAX as i64 {
+            assert_eq!(set.insert(id * 3, usize::MAX), Some(true));
+        }
+        assert!(matches!(set.chunks.get(&0), Some(Chunk::List(_))));
+        assert_eq!(set.bytes(), LIST_MAX * 2 + CHUNK_OVERHEAD);
+        assert_eq!(set.insert(1, usize::MAX), Some(true));
+        assert!(matches!(set.chunks.get(&0), Some(Chunk::Bitmap(_))));
+        assert_eq!(set.bytes(), BITMAP_BYTES + CHUNK_OVERHEAD);
+        assert!((0..LIST_MAX as i64).all(|id| set.contains(id * 3)) && set.contains(1));
+        assert!(!set.contains(2) && !set.contains(4));
+    }
+
+    #[test]
+    fn half_a_million_ids_handed_out_in_sequence_take_about_a_bit_each() {
+        let mut set = CommittedIds::default();
+        // In change order: scattered over the range, as a first sync lists them.
+        for i in 0..500_000i64 {
+            set.insert((i * 7_919) % 500_000 + 1, usize::MAX);
+        }
+        assert_eq!(set.len(), 500_000);
+        let per_id = set.bytes() as f64 / 500_000.0;
+        assert!(per_id < 0.15, "{per_id} bytes an id");
+        // Ids one in 20: lists of 3,277 ids a chunk, 2 bytes each and room to grow.
+        let mut sparse = CommittedIds::default();
+        for i in 0..200_000i64 {
+            sparse.insert(i * 20, usize::MAX);
+        }
+        let per_id = sparse.bytes() as f64 / 200_000.0;
+        assert!((2.0..2.6).contains(&per_id), "{per_id} bytes an id");
+    }
+
+    #[test]
+    fn an_empty_set_holds_nothing() {
+        let set = CommittedIds::default();
+        assert!((-1000..1000).all(|id| !set.contains(id)));
+        assert!(!set.contains(i64::MIN) && !set.contains(i64::MAX));
+        assert_eq!(set.bytes(), 0);
     }
 
     #[test]
     fn a_fresh_stream_is_dropped_once_most_ids_of_a_window_are_known() {
         let mut stream = FreshStream::new();
         for id in 0..10_000 {
-            assert!(stream.committed(id).is_some());
+            assert_eq!(stream.committed(id), Some(true));
         }
-        assert_eq!(
-            stream.len(),
-            10_000 - count_already_held(&(0..10_000).collect::<Vec<_>>())
-        );
+        assert_eq!(stream.len(), 10_000);
         // A first sync: lookups of new ids keep it.
         for id in 10_000..10_000 + 3 * i64::from(WINDOW) {
-            let known = stream.may_hold(id);
+            let known = stream.holds(id);
+            assert!(!known, "id {id} was never committed");
             assert!(stream.looked_up(known), "dropped at new id {id}");
         }
         // Later sweeps: lookups of known ids end it within one window.
         let dropped_at = (0..i64::from(WINDOW))
             .find(|&id| {
-                let known = stream.may_hold(id);
+                let known = stream.holds(id);
                 !stream.looked_up(known)
             })
-            .expect("mostly known lookups drop the filter");
+            .expect("mostly known lookups drop the set");
         assert!(dropped_at < i64::from(WINDOW));
     }
 
     #[test]
-    fn a_stream_refuses_the_id_that_would_grow_its_filter_past_the_cap() {
+    fn a_stream_refuses_the_id_that_would_grow_its_set_past_the_cap() {
         let mut stream = FreshStream::new();
-        let refused = (0..5_000_000i64)
+        // One id a chunk: each takes a chunk of its own.
+        let per_id = CHUNK_OVERHEAD + FIRST_LIST_CAPACITY * 2;
+        let refused = (0..1_000_000i64)
+            .map(|i| i << CHUNK_SHIFT)
             .find(|&id| stream.committed(id).is_none())
-            .expect("the cap is reached before 5 million ids");
-        assert!(
-            (4_000_000..4_300_000).contains(&refused),
-            "refused at id {refused}"
-        );
-        assert!(stream.committed.bytes() <= MAX_FILTER_BYTES);
-        assert!(!stream.may_hold(refused));
-        // An id it holds is still accepted (nothing to grow).
+            .expect("the cap is reached before a million chunks");
+        assert_eq!(refused >> CHUNK_SHIFT, (MAX_SET_BYTES / per_id) as i64);
+        assert!(stream.committed.bytes() <= MAX_SET_BYTES);
+        assert!(!stream.holds(refused));
+        // An id it holds is still accepted (nothing to grow), and so is a new
+        // id in a chunk with room.
         assert_eq!(stream.committed(0), Some(false));
+        assert_eq!(stream.committed(1), Some(true));
     }
 
     #[test]
-    fn a_window_of_half_known_ids_keeps_the_filter() {
+    fn a_window_of_half_known_ids_keeps_the_set() {
         let mut stream = FreshStream::new();
         for i in 0..3 * WINDOW {
             assert!(stream.looked_up(i % 2 == 0));
@@ -473,17 +506,42 @@ mod tests {
 
     proptest! {
         #[test]
-        fn every_committed_id_may_be_held(ids in proptest::collection::vec(any::<i64>(), 0..3000)) {
-            let mut stream = FreshStream::new();
-            let mut seen = std::collections::HashSet::new();
+        fn a_set_answers_as_a_hash_set_does(
+            // Some ids anywhere, some in a few chunks, most in one (whose
+            // list then turns into a bitmap).
+            ids in proptest::collection::vec(
+                prop_oneof![1 => any::<i64>(), 1 => -70_000..70_000i64, 3 => 0..9_000i64],
+                0..12_000,
+            ),
+            probes in proptest::collection::vec(any::<i64>(), 0..200),
+        ) {
+            let mut set = CommittedIds::default();
+            let mut model = std::collections::HashSet::new();
             for &id in &ids {
-                let new = stream.committed(id);
-                prop_assert!(new.is_some());
-                // A repeated id is never called new.
-                prop_assert!(seen.insert(id) || new == Some(false));
+                prop_assert_eq!(set.insert(id, usize::MAX), Some(model.insert(id)));
+            }
+            for &id in ids.iter().chain(&probes) {
+                prop_assert_eq!(set.contains(id), model.contains(&id));
+            }
+            prop_assert_eq!(set.len(), model.len());
+        }
+
+        #[test]
+        fn a_capped_set_never_grows_past_its_cap_and_holds_what_it_accepted(
+            ids in proptest::collection::vec(-300_000..300_000i64, 0..3000),
+            cap in 0usize..20_000,
+        ) {
+            let mut set = CommittedIds::default();
+            let mut accepted = std::collections::HashSet::new();
+            for &id in &ids {
+                match set.insert(id, cap) {
+                    Some(new) => prop_assert_eq!(new, accepted.insert(id)),
+                    None => prop_assert!(!accepted.contains(&id)),
+                }
+                prop_assert!(set.bytes() <= cap, "{} bytes, cap {}", set.bytes(), cap);
             }
             for &id in &ids {
-                prop_assert!(stream.may_hold(id));
+                prop_assert_eq!(set.contains(id), accepted.contains(&id));
             }
         }
     }

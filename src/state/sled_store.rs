@@ -354,7 +354,7 @@ pub struct SledStore {
     staged: Mutex<HashMap<StreamKey, Staged>>,
     /// Per stream touched since the store opened: the ids committed to it
     /// when it held no record then ([`FreshStream`]), None when it did or
-    /// once the filter was dropped.
+    /// once the set was dropped.
     fresh: Mutex<HashMap<StreamKey, Option<FreshStream>>>,
     /// Per stream, the ids its sweeps saw unchanged and their epoch, not yet
     /// written into their buckets ([`SeenMarks`]): written by
@@ -853,11 +853,11 @@ impl SledStore {
 
     /// Whether each of `ids` is certainly absent from the stream (never
     /// committed to it since it was empty: [`FreshStream`]); None when the
-    /// stream held records when this process first touched it, or its filter
+    /// stream held records when this process first touched it, or its set
     /// was dropped. `lookups` counts them as reads of known records (which
-    /// end the filter once they mostly find records); `commit` adds them to
-    /// the filter, before their commit is staged (which ends it when it
-    /// would grow too large). A filter that ends has the stream's staged
+    /// end the set once they mostly find records); `commit` adds them to
+    /// the set, before their commit is staged (which ends it when it
+    /// would grow too large). A set that ends has the stream's staged
     /// commits written, so that none stays staged alone once its commits
     /// stage whole buckets.
     fn absent_ids(
@@ -882,12 +882,12 @@ impl SledStore {
         let mut keep = true;
         for &id in ids {
             let never_committed = if commit {
-                // Refused when the filter would grow too large: dropped below.
+                // Refused when the set would grow too large: dropped below.
                 let new = stream.committed(id);
                 keep &= new.is_some();
                 new.unwrap_or(false)
             } else {
-                !stream.may_hold(id)
+                !stream.holds(id)
             };
             absent.push(never_committed);
             if lookups {
@@ -897,7 +897,7 @@ impl SledStore {
         if keep {
             return Ok(Some(absent));
         }
-        tracing::debug!(stream = %key, "the filter of ids committed since the stream was empty is dropped");
+        tracing::debug!(stream = %key, "the set of ids committed since the stream was empty is dropped");
         fresh.insert(key, None);
         drop(fresh);
         self.settle_group(key)?;
@@ -1179,8 +1179,8 @@ impl SledStore {
     /// Loads the bucket `bucket` of a stream (empty when absent), to stage
     /// it whole. Records staged alone are written with their group first (a
     /// bucket staged whole must hold them): a stream stages them only while
-    /// its filter lives, and the group is written when the filter is
-    /// dropped, so this happens only when the filter is dropped between a
+    /// its set lives, and the group is written when the set is
+    /// dropped, so this happens only when the set is dropped between a
     /// commit's lookups and its staging.
     fn load_bucket(&self, key: StreamKey, bucket: i64) -> Result<Bucket, StateError> {
         let k = codec::record_key(KIND_RECORD, key, bucket);
@@ -1587,7 +1587,7 @@ impl StateStore for SledStore {
         let mut write_marks = false;
         if let Some(absent) = self.absent_ids(key, &ids, false, true)? {
             // A stream that started empty: every record is staged alone, and
-            // only ids its filter may hold are looked up (a bucket read each).
+            // only ids its set holds are looked up (a bucket read each).
             let seen_absent = self
                 .absent_ids(key, seen, false, false)?
                 .unwrap_or_else(|| vec![false; seen.len()]);
@@ -3801,7 +3801,7 @@ mod tests {
     }
 
     #[test]
-    fn a_stream_whose_reads_mostly_find_records_drops_its_filter_and_writes_what_it_staged_alone() {
+    fn a_stream_whose_reads_mostly_find_records_drops_its_id_set_and_writes_what_it_staged_alone() {
         let store = store_with(NEVER);
         let ids: Vec<i64> = (0..100).collect();
         commit_numbered(&store, VOUCHERS, &ids, 0);
