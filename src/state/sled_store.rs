@@ -324,9 +324,12 @@ fn merge_fresh<'w>(
     writes: Vec<(&'w sled::IVec, &'w Option<sled::IVec>)>,
     by_bucket: &'w [(i64, FreshOffset)],
 ) -> Vec<StagedWrite<'w>> {
-    let mut out = Vec::with_capacity(writes.len() + by_bucket.len());
+    let same_bucket = |(a, _): &(i64, FreshOffset), (b, _): &(i64, FreshOffset)| a == b;
+    // One write a bucket, not a record.
+    let buckets = by_bucket.chunk_by(same_bucket).count();
+    let mut out = Vec::with_capacity(writes.len() + buckets);
     let mut fresh = by_bucket
-        .chunk_by(|(a, _), (b, _)| a == b)
+        .chunk_by(same_bucket)
         .map(|records| {
             let number = records[0].0;
             StagedWrite::Fresh(codec::record_key(KIND_RECORD, stream, number), records)
