@@ -14,12 +14,11 @@
 //! it holds many of, a sorted list for one it holds few of), so its memory
 //! follows how the ids spread rather than how many there are: the ids of a
 //! catalog, handed out in sequence, take about a bit each, ids one in 100
-//! about 3 bytes. Ids farther apart (about one in 1,000 or sparser) would
-//! take more, up to 72 bytes each, so once the exact set holds 4,096 ids at
-//! more than 4 bytes each it turns into a Bloom filter of them ([`IdFilter`],
-//! 2 to 4 bytes an id however they spread), which may also hold a few ids
-//! never committed (under 2%): such an id is read from its bucket, as a known
-//! one is. The set also holds ids whose commit then failed (they are added
+//! about 3 bytes. Ids farther apart would take more, up to 72 bytes each,
+//! so once the exact set takes half its cap at more than 5 bytes an id it
+//! turns into a Bloom filter of them ([`IdFilter`], 2 to 4 bytes an id
+//! however they spread), which may also hold a few ids never committed
+//! (under 2%): such an id is read from its bucket, as a known one is. The set also holds ids whose commit then failed (they are added
 //! before the commit is staged): a held id is read, never assumed.
 //!
 //! The set is dropped when it stops paying: once most looked-up ids turn
@@ -35,7 +34,7 @@ use super::RecordState;
 
 /// A set is dropped rather than grown past this: about 65 million ids of a
 /// dense range, 2.6 million ids one in 100, about 4.2 million once it is a
-/// filter (each of its layers doubles, and it takes 2 to 4 bytes an id,
+/// filter (from 4 MiB of ids sparser than about one in 1,500) (each of its layers doubles, and it takes 2 to 4 bytes an id,
 /// under 2 when its newest layer is nearly full).
 pub(crate) const MAX_SET_BYTES: usize = 8 << 20;
 
@@ -377,12 +376,14 @@ enum Committed {
     Filter(IdFilter),
 }
 
-/// The exact set turns into a filter once it holds this many ids...
-const FILTER_FROM_IDS: usize = 4096;
-
-/// ...and takes more than this many bytes an id: ids about one in 1,000 or
-/// sparser (a filter takes 2 to 4 bytes an id however they spread).
-const FILTER_FROM_BYTES_PER_ID: usize = 4;
+/// An exact set turns into a filter once it takes half its cap (the
+/// filter is built beside it) and more than this many bytes an id: ids
+/// sparser than about one in 1,500, where a filter takes 2 to 4 bytes an
+/// id however they spread (a list that just doubled takes up to 4 bytes an
+/// id, so denser ids stay exact). Not earlier: a first sync commits ids in
+/// change order, scattered over their range, so an exact set of dense ids
+/// costs several bytes an id while it is small and about a bit once full.
+const FILTER_FROM_BYTES_PER_ID: usize = 5;
 
 impl Committed {
     fn holds(&self, id: i64) -> bool {
@@ -393,19 +394,22 @@ impl Committed {
     }
 
     /// Adds `id` as [`CommittedIds::insert`] does; an exact set that has
-    /// grown large for its ids turns into a filter of them first.
+    /// grown large for its ids then turns into a filter of them (it stays
+    /// exact if the filter would not fit `max_bytes`).
     fn insert(&mut self, id: i64, max_bytes: usize) -> Option<bool> {
         let added = match self {
             Committed::Exact(set) => set.insert(id, max_bytes)?,
             Committed::Filter(filter) => return filter.insert(id, max_bytes),
         };
         if let Committed::Exact(set) = self {
-            if set.len >= FILTER_FROM_IDS && set.bytes > FILTER_FROM_BYTES_PER_ID * set.len {
+            if set.bytes >= max_bytes / 2 && set.bytes > FILTER_FROM_BYTES_PER_ID * set.len {
                 let mut filter = IdFilter::new();
-                for held in set.ids() {
-                    filter.insert(held, max_bytes)?;
+                if set
+                    .ids()
+                    .all(|held| filter.insert(held, max_bytes).is_some())
+                {
+                    *self = Committed::Filter(filter);
                 }
-                *self = Committed::Filter(filter);
             }
         }
         Some(added)
@@ -735,47 +739,91 @@ mod tests {
         assert_eq!(set.insert(1, MAX_SET_BYTES), Some(true));
     }
 
-    #[test]
-    fn ids_far_apart_turn_the_set_into_a_filter_that_holds_every_one_of_them() {
-        let mut stream = FreshStream::new();
-        let ids: Vec<i64> = (0..20_000i64).map(|i| i * 70_001 - 700_000_000).collect();
+    /// Inserts `ids` into an exact set that turns into a filter under
+    /// `cap`, checking the answers; returns it and after how many ids it
+    /// turned (None when it stayed exact).
+    fn insert_all(ids: &[i64], cap: usize) -> (Committed, Option<usize>) {
+        let mut committed = Committed::Exact(CommittedIds::default());
+        let mut turned = None;
         for (n, &id) in ids.iter().enumerate() {
-            let exact = stream.committed.is_exact();
-            let new = stream.committed(id);
+            let exact = committed.is_exact();
+            let new = committed.insert(id, cap);
             // A filter may take a new id for one it holds (nothing added).
             assert!(
                 new == Some(true) || (!exact && new == Some(false)),
                 "id {id}"
             );
-            // 72 bytes an id: a filter once it holds 4,096 of them.
-            assert_eq!(
-                stream.committed.is_exact(),
-                n + 1 < FILTER_FROM_IDS,
-                "after {n} ids"
-            );
+            if exact && !committed.is_exact() {
+                turned = Some(n + 1);
+            }
         }
-        assert!(ids.iter().all(|&id| stream.holds(id)));
-        assert_eq!(stream.committed(ids[0]), Some(false));
-        let others = 20_000;
-        let false_positives = (0..others).filter(|i| stream.holds(i * 70_001 + 1)).count();
         assert!(
-            false_positives < others as usize / 50,
-            "{false_positives} false positives"
+            ids.iter().all(|&id| committed.holds(id)),
+            "an id inserted is not held"
         );
-        let Committed::Filter(filter) = &stream.committed else {
-            unreachable!("checked above")
-        };
-        assert!(filter.bytes() < 4 * ids.len(), "{} bytes", filter.bytes());
+        (committed, turned)
+    }
+
+    /// `n` ids `stride` apart, in the scattered order of a first sync.
+    fn scattered(n: i64, stride: i64) -> Vec<i64> {
+        (0..n)
+            .map(|i| (i * 7_919) % n * stride - 1_000_000)
+            .collect()
     }
 
     #[test]
-    fn ids_one_in_a_hundred_keep_the_set_exact() {
-        let mut stream = FreshStream::new();
-        for i in 0..100_000i64 {
-            assert_eq!(stream.committed(i * 100), Some(true));
-        }
-        assert!(stream.committed.is_exact());
-        assert!((0..100_000i64).all(|i| stream.holds(i * 100) && !stream.holds(i * 100 + 1)));
+    fn ids_far_apart_turn_the_set_into_a_filter_at_half_its_cap_holding_every_one() {
+        let cap = 256 << 10;
+        // 72 bytes an id: half the cap at 1,821 ids.
+        let far: Vec<i64> = (0..5_000i64).map(|i| i * 70_001 - 700_000_000).collect();
+        let (committed, turned) = insert_all(&far, cap);
+        assert_eq!(turned, Some((cap / 2).div_ceil(72)));
+        let Committed::Filter(filter) = &committed else {
+            unreachable!("it turned")
+        };
+        assert!(filter.bytes() < 4 * far.len(), "{} bytes", filter.bytes());
+        let false_positives = (0..20_000i64)
+            .filter(|i| committed.holds(i * 70_001 + 1))
+            .count();
+        assert!(false_positives < 400, "{false_positives} false positives");
+        // Ids one in 5,000, scattered: about 7 bytes each, a filter too.
+        let (_, turned) = insert_all(&scattered(100_000, 5_000), cap);
+        assert!(turned.is_some());
+    }
+
+    #[test]
+    fn a_set_turning_into_a_filter_keeps_the_ids_of_its_bitmaps_and_lists() {
+        // Chunk 0 a bitmap, chunk -1 a list, then ids far apart until it turns.
+        let mut ids: Vec<i64> = (0..10_000).collect();
+        ids.extend((1..500).map(|i| -3 * i));
+        ids.extend((1..3_000i64).map(|i| i << CHUNK_SHIFT));
+        let (committed, turned) = insert_all(&ids, 256 << 10);
+        assert!(turned.is_some_and(|n| n > 10_499));
+        assert!(!committed.is_exact());
+    }
+
+    #[test]
+    fn dense_or_one_in_a_hundred_ids_in_change_order_keep_the_set_exact() {
+        // A range of 32 chunks in change order: several bytes an id while
+        // few are in, a bit each once all are (32 bitmaps: 264,192 bytes).
+        let (committed, turned) = insert_all(&scattered(2_000_000, 1), 512 << 10);
+        assert_eq!(turned, None);
+        let Committed::Exact(set) = &committed else {
+            unreachable!("checked above")
+        };
+        assert!(set.bytes() < 2_000_000 / 7, "{} bytes", set.bytes());
+        assert!(!committed.holds(-1_000_001) && !committed.holds(1_000_000));
+        // The start of a first sync of 30 million ids: about 11 bytes an id
+        // at the 4,096th, far from half the cap.
+        let start: Vec<i64> = scattered(30_000_000, 1).into_iter().take(20_000).collect();
+        assert_eq!(insert_all(&start, MAX_SET_BYTES).1, None);
+        // About 3.2 bytes an id, past half the cap.
+        let (committed, turned) = insert_all(&scattered(60_000, 100), 256 << 10);
+        assert_eq!(turned, None);
+        let Committed::Exact(set) = &committed else {
+            unreachable!("checked above")
+        };
+        assert!(set.bytes() > 128 << 10, "{} bytes", set.bytes());
     }
 
     #[test]
