@@ -14,11 +14,12 @@
 //! it holds many of, a sorted list for one it holds few of), so its memory
 //! follows how the ids spread rather than how many there are: the ids of a
 //! catalog, handed out in sequence, take about a bit each, ids one in 100
-//! about 3 bytes. Ids farther apart would take more, up to 72 bytes each,
-//! so once the exact set takes half its cap at more than 5 bytes an id it
-//! turns into a Bloom filter of them ([`IdFilter`], 2 to 4 bytes an id
-//! however they spread), which may also hold a few ids never committed
-//! (under 2%): such an id is read from its bucket, as a known one is. The set also holds ids whose commit then failed (they are added
+//! about 3 bytes. Ids farther apart take more, up to 72 bytes each, so the
+//! exact set turns into a Bloom filter of them ([`IdFilter`], 2 to 4 bytes
+//! an id however they spread) once it takes half its cap at more than 5
+//! bytes an id, or when it reaches its cap and the filter fits. A filter
+//! may also hold a few ids never committed (under 2%): such an id is read
+//! from its bucket, as a known one is. The set also holds ids whose commit then failed (they are added
 //! before the commit is staged): a held id is read, never assumed.
 //!
 //! The set is dropped when it stops paying: once most looked-up ids turn
@@ -33,8 +34,8 @@ use super::codec;
 use super::RecordState;
 
 /// A set is dropped rather than grown past this: about 65 million ids of a
-/// dense range, 2.6 million ids one in 100, about 4.2 million once it is a
-/// filter (from 4 MiB of ids sparser than about one in 1,500) (each of its layers doubles, and it takes 2 to 4 bytes an id,
+/// dense range; about 4.2 million once it is a filter (ids one in 100 turn
+/// into one at the exact set's cap, about 2.4 million of them) (each of its layers doubles, and it takes 2 to 4 bytes an id,
 /// under 2 when its newest layer is nearly full).
 pub(crate) const MAX_SET_BYTES: usize = 8 << 20;
 
@@ -137,6 +138,9 @@ pub(crate) struct CommittedIds {
     len: usize,
     /// Bytes of the chunks, with their overhead ([`Self::bytes`]).
     bytes: usize,
+    /// Set once a filter of its ids was tried and would not fit its cap
+    /// ([`Committed`]): not tried again.
+    filter_refused: bool,
 }
 
 /// The chunk of an id and its low 16 bits within it.
@@ -377,12 +381,12 @@ enum Committed {
 }
 
 /// An exact set turns into a filter once it takes half its cap (the
-/// filter is built beside it) and more than this many bytes an id: ids
-/// sparser than about one in 1,500, where a filter takes 2 to 4 bytes an
-/// id however they spread (a list that just doubled takes up to 4 bytes an
-/// id, so denser ids stay exact). Not earlier: a first sync commits ids in
-/// change order, scattered over their range, so an exact set of dense ids
-/// costs several bytes an id while it is small and about a bit once full.
+/// filter is built beside it) and more than this many bytes an id (ids
+/// far apart, or about one in 1,000 or sparser, depending on how full their
+/// chunks' lists are), where a filter takes 2 to 4 bytes an id however they
+/// spread. Not earlier: a first sync commits ids in change order, scattered
+/// over their range, so an exact set of dense ids costs several bytes an
+/// id while it is small and about a bit once full.
 const FILTER_FROM_BYTES_PER_ID: usize = 5;
 
 impl Committed {
@@ -393,26 +397,48 @@ impl Committed {
         }
     }
 
-    /// Adds `id` as [`CommittedIds::insert`] does; an exact set that has
-    /// grown large for its ids then turns into a filter of them (it stays
-    /// exact if the filter would not fit `max_bytes`).
+    /// Adds `id` as [`CommittedIds::insert`] does. An exact set that has
+    /// grown large for its ids then turns into a filter of them, and one
+    /// that reached `max_bytes` turns into a filter of them and `id` when
+    /// that fits (else None, as at the cap).
     fn insert(&mut self, id: i64, max_bytes: usize) -> Option<bool> {
-        let added = match self {
-            Committed::Exact(set) => set.insert(id, max_bytes)?,
+        let set = match self {
             Committed::Filter(filter) => return filter.insert(id, max_bytes),
+            Committed::Exact(set) => set,
         };
-        if let Committed::Exact(set) = self {
-            if set.bytes >= max_bytes / 2 && set.bytes > FILTER_FROM_BYTES_PER_ID * set.len {
-                let mut filter = IdFilter::new();
-                if set
-                    .ids()
-                    .all(|held| filter.insert(held, max_bytes).is_some())
-                {
-                    *self = Committed::Filter(filter);
-                }
-            }
+        let Some(added) = set.insert(id, max_bytes) else {
+            // Not held (the set answers that before its cap): new if it fits.
+            return self.turn_into_filter(Some(id), max_bytes).then_some(true);
+        };
+        if set.bytes >= max_bytes / 2 && set.bytes > FILTER_FROM_BYTES_PER_ID * set.len {
+            self.turn_into_filter(None, max_bytes);
         }
         Some(added)
+    }
+
+    /// Turns an exact set into a filter of its ids and `extra`, unless that
+    /// was refused before or would not fit `max_bytes` (a filter takes at
+    /// least about 2 bytes an id: a set of more ids is not tried); true when
+    /// it turned.
+    fn turn_into_filter(&mut self, extra: Option<i64>, max_bytes: usize) -> bool {
+        let Committed::Exact(set) = self else {
+            return false;
+        };
+        if set.filter_refused || set.len.saturating_mul(2) > max_bytes {
+            set.filter_refused = true;
+            return false;
+        }
+        let mut filter = IdFilter::new();
+        if set
+            .ids()
+            .chain(extra)
+            .all(|id| filter.insert(id, max_bytes).is_some())
+        {
+            *self = Committed::Filter(filter);
+            return true;
+        }
+        set.filter_refused = true;
+        false
     }
 
     #[cfg(test)]
@@ -824,6 +850,38 @@ mod tests {
             unreachable!("checked above")
         };
         assert!(set.bytes() > 128 << 10, "{} bytes", set.bytes());
+    }
+
+    #[test]
+    fn a_set_at_its_cap_turns_into_a_filter_when_one_of_its_ids_fits() {
+        // One in 100: about 3.2 bytes an id, under the switch at half the
+        // cap, so the exact set reaches its cap (about 20,000 ids at 64 KiB).
+        let cap = 64 << 10;
+        let ids = scattered(40_000, 100);
+        let mut committed = Committed::Exact(CommittedIds::default());
+        let mut held = 0;
+        while held < ids.len() && committed.insert(ids[held], cap).is_some() {
+            held += 1;
+        }
+        assert!(!committed.is_exact(), "exact at {held} ids");
+        assert!(held > 25_000, "refused at {held} ids, the exact cap");
+        assert!(ids[..held].iter().all(|&id| committed.holds(id)));
+    }
+
+    #[test]
+    fn a_dense_set_at_its_cap_stays_exact_and_refuses_without_building_a_filter() {
+        // One bitmap fits, a second chunk does not, and 65,536 ids would
+        // not fit a filter.
+        let cap = BITMAP_BYTES + CHUNK_OVERHEAD + 50;
+        let mut committed = Committed::Exact(CommittedIds::default());
+        assert!((0..65_536i64).all(|id| committed.insert(id, cap) == Some(true)));
+        assert_eq!(committed.insert(65_536, cap), None);
+        assert_eq!(committed.insert(65_537, cap), None);
+        let Committed::Exact(set) = &committed else {
+            panic!("a dense set turned into a filter")
+        };
+        assert!(set.filter_refused);
+        assert!(!committed.holds(65_536) && committed.holds(65_535));
     }
 
     #[test]
