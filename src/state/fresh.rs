@@ -19,8 +19,9 @@
 //! an id however they spread) once it takes half its cap at more than 5
 //! bytes an id, or when it reaches its cap and the filter fits. A filter
 //! may also hold a few ids never committed (under 2%): such an id is read
-//! from its bucket, as a known one is. The set also holds ids whose commit then failed (they are added
-//! before the commit is staged): a held id is read, never assumed.
+//! from its bucket, as a known one is. The set also holds ids whose commit
+//! then failed (they are added before the commit is staged): a held id is
+//! read, never assumed.
 //!
 //! The set is dropped when it stops paying: once most looked-up ids turn
 //! out to be known (the stream's first sync is over), or when it would
@@ -34,9 +35,10 @@ use super::codec;
 use super::RecordState;
 
 /// A set is dropped rather than grown past this: about 65 million ids of a
-/// dense range; about 4.2 million once it is a filter (ids one in 100 turn
-/// into one at the exact set's cap, about 2.4 million of them) (each of its layers doubles, and it takes 2 to 4 bytes an id,
-/// under 2 when its newest layer is nearly full).
+/// dense range; about 4.2 million once it is a filter (each of its layers
+/// doubles, and it takes 2 to 4 bytes an id, under 2 when its newest layer
+/// is nearly full). Ids one in 100 turn into a filter at the exact set's
+/// cap, about 2.4 million of them.
 pub(crate) const MAX_SET_BYTES: usize = 8 << 20;
 
 /// Looked-up ids per window of [`FreshStream::looked_up`]: when more than
@@ -63,6 +65,16 @@ const FIRST_LIST_CAPACITY: usize = 4;
 /// list's allocation is malloc's smallest).
 const CHUNK_OVERHEAD: usize = 64;
 
+/// True when bit `low` of a chunk's bitmap is set.
+fn bit_is_set(bits: &[u64], low: u16) -> bool {
+    bits[usize::from(low) / 64] & (1 << (low % 64)) != 0
+}
+
+/// Sets bit `low` of a chunk's bitmap.
+fn set_bit(bits: &mut [u64], low: u16) {
+    bits[usize::from(low) / 64] |= 1 << (low % 64);
+}
+
 /// The ids of one chunk, by their low 16 bits.
 #[derive(Debug)]
 enum Chunk {
@@ -76,7 +88,7 @@ impl Chunk {
     fn contains(&self, low: u16) -> bool {
         match self {
             Chunk::List(ids) => ids.binary_search(&low).is_ok(),
-            Chunk::Bitmap(bits) => bits[usize::from(low) / 64] & (1 << (low % 64)) != 0,
+            Chunk::Bitmap(bits) => bit_is_set(bits, low),
         }
     }
 
@@ -105,7 +117,7 @@ impl Chunk {
             Chunk::List(ids) if ids.len() >= LIST_MAX => {
                 let mut bits = vec![0u64; BITMAP_BYTES / 8].into_boxed_slice();
                 for &held in ids.iter().chain([&low]) {
-                    bits[usize::from(held) / 64] |= 1 << (held % 64);
+                    set_bit(&mut bits, held);
                 }
                 *self = Chunk::Bitmap(bits);
             }
@@ -116,7 +128,7 @@ impl Chunk {
                 }
                 ids.insert(at, low);
             }
-            Chunk::Bitmap(bits) => bits[usize::from(low) / 64] |= 1 << (low % 64),
+            Chunk::Bitmap(bits) => set_bit(bits, low),
         }
     }
 }
@@ -160,30 +172,28 @@ impl CommittedIds {
     /// `max_bytes`.
     pub(crate) fn insert(&mut self, id: i64, max_bytes: usize) -> Option<bool> {
         let (key, low) = split_id(id);
-        let chunk = self.chunks.get(&key);
-        if chunk.is_some_and(|c| c.contains(low)) {
-            return Some(false);
-        }
-        let growth = match chunk {
-            Some(chunk) => chunk.growth(),
-            None => CHUNK_OVERHEAD + FIRST_LIST_CAPACITY * 2,
-        };
-        if self.bytes + growth > max_bytes {
-            return None;
-        }
-        let (chunk, before) = match self.chunks.entry(key) {
+        match self.chunks.entry(key) {
             Entry::Occupied(entry) => {
                 let chunk = entry.into_mut();
-                let before = chunk.bytes() + CHUNK_OVERHEAD;
-                (chunk, before)
+                if chunk.contains(low) {
+                    return Some(false);
+                }
+                if self.bytes + chunk.growth() > max_bytes {
+                    return None;
+                }
+                let before = chunk.bytes();
+                chunk.add(low);
+                self.bytes = self.bytes - before + chunk.bytes();
             }
-            Entry::Vacant(entry) => (
-                entry.insert(Chunk::List(Vec::with_capacity(FIRST_LIST_CAPACITY))),
-                0,
-            ),
-        };
-        chunk.add(low);
-        self.bytes = self.bytes - before + chunk.bytes() + CHUNK_OVERHEAD;
+            Entry::Vacant(entry) => {
+                if self.bytes + CHUNK_OVERHEAD + FIRST_LIST_CAPACITY * 2 > max_bytes {
+                    return None;
+                }
+                let mut list = Vec::with_capacity(FIRST_LIST_CAPACITY);
+                list.push(low);
+                self.bytes += CHUNK_OVERHEAD + entry.insert(Chunk::List(list)).bytes();
+            }
+        }
         self.len += 1;
         Some(true)
     }
@@ -193,10 +203,9 @@ impl CommittedIds {
         self.chunks.iter().flat_map(|(&chunk, ids)| {
             let lows: Box<dyn Iterator<Item = u16> + '_> = match ids {
                 Chunk::List(lows) => Box::new(lows.iter().copied()),
-                Chunk::Bitmap(bits) => Box::new(
-                    (0..=u16::MAX)
-                        .filter(|&low| bits[usize::from(low) / 64] & (1 << (low % 64)) != 0),
-                ),
+                Chunk::Bitmap(bits) => {
+                    Box::new((0..=u16::MAX).filter(|&low| bit_is_set(bits, low)))
+                }
             };
             lows.map(move |low| (chunk << CHUNK_SHIFT) | i64::from(low))
         })

@@ -24,8 +24,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::telemetry::metric;
 
 /// Bytes of listing bodies the process holds at once when not configured
-/// otherwise (`upstream.body_budget_mib`): one page of categories with their products and the voucher
-/// pages the other streams read ahead meanwhile.
+/// otherwise (`upstream.body_budget_mib`): one page of categories with
+/// their products and the voucher pages the other streams read ahead
+/// meanwhile.
 pub const DEFAULT_BODY_BUDGET_BYTES: usize = 8 << 20;
 
 /// The budget counts in units of this many bytes (a semaphore's permits).
