@@ -6,6 +6,7 @@
 #   bash scripts/bench-sync.sh [--tenants N] [--vouchers N] [--categories N]
 #                              [--sinks file,jetstream,stdout] [--cases first,sweep,scaling]
 #                              [--scale 10000,100000,1000000] [--repeat R] [--keep]
+#                              [--bulk-import-share S]
 #
 # Cases (one markdown table row each, the median of --repeat runs by CPU):
 #   first    a first sync of every stream, into each of --sinks (fresh state,
@@ -18,6 +19,10 @@
 # --request-log; "= ceil" when they equal the sum of ceil(n/50) over the
 # streams), wall, user+sys CPU of the bridge alone, µs of CPU per record,
 # records/s (wall), max RSS.
+#
+# --bulk-import-share S is the simulator's share of records dated at one
+# bulk-import instant (default its own, 0.08): 1 lists each catalog in id
+# order, as an API fed by one bulk import would, instead of change order.
 #
 # Defaults: 2 tenants x (50,000 vouchers + 100 categories), relations on,
 # sinks file,jetstream, cases first,sweep, 3 repeats. Everything listens on
@@ -37,10 +42,11 @@ CASES="first,sweep"
 SCALE="10000,100000,1000000"
 REPEAT=3
 KEEP=0
+BULK_SHARE=""
 PROFILE="${VCDC_BENCH_PROFILE:-dist}"
 
 usage() {
-  sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'
 }
 
 while [ $# -gt 0 ]; do
@@ -53,6 +59,7 @@ while [ $# -gt 0 ]; do
     --scale) SCALE="${2:?--scale needs a value}"; shift 2 ;;
     --repeat) REPEAT="${2:?--repeat needs a value}"; shift 2 ;;
     --keep) KEEP=1; shift ;;
+    --bulk-import-share) BULK_SHARE="${2:?--bulk-import-share needs a value}"; shift 2 ;;
     -h | --help) usage; exit 0 ;;
     *) echo "error: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -63,6 +70,10 @@ for number in "$TENANTS" "$VOUCHERS" "$CATEGORIES" "$REPEAT"; do
     '' | *[!0-9]*) echo "error: '$number' is not a whole number" >&2; exit 2 ;;
   esac
 done
+if [ -n "$BULK_SHARE" ] && ! [[ "$BULK_SHARE" =~ ^(0(\.[0-9]*)?|\.[0-9]+|1(\.0*)?)$ ]]; then
+  echo "error: --bulk-import-share: '$BULK_SHARE' is not a share between 0 and 1" >&2
+  exit 2
+fi
 [ "$TENANTS" -ge 1 ] || { echo "error: --tenants must be at least 1" >&2; exit 2; }
 [ "$REPEAT" -ge 1 ] || { echo "error: --repeat must be at least 1" >&2; exit 2; }
 IFS=',' read -r -a sink_list <<<"$SINKS"
@@ -147,6 +158,7 @@ start_simulator() {
   : >"$SIM_LOG"
   "$BIN" simulate --listen "127.0.0.1:$port" --tenants "$tenants" --vouchers "$vouchers" \
     --categories "$categories" --rate-limit 0 --changes-per-minute 0 --seed 20 \
+    ${BULK_SHARE:+--bulk-import-share "$BULK_SHARE"} \
     --request-log "$SIM_LOG" >"$dir/simulator.log" 2>&1 &
   SIM_PID="$!"
   pids+=("$SIM_PID")
@@ -305,7 +317,7 @@ if has_case first || has_case sweep; then
   CUR_TENANTS="$TENANTS"
   records=$((TENANTS * (VOUCHERS + CATEGORIES)))
   expected="$(expected_lists "$TENANTS" "$VOUCHERS" "$CATEGORIES")"
-  echo "==> simulator: $TENANTS tenants x ($VOUCHERS vouchers + $CATEGORIES categories)" >&2
+  echo "==> simulator: $TENANTS tenants x ($VOUCHERS vouchers + $CATEGORIES categories)${BULK_SHARE:+, bulk import share $BULK_SHARE}" >&2
   start_simulator "$TENANTS" "$VOUCHERS" "$CATEGORIES" "$RUN_DIR"
   if has_case first; then
     for sink in "${sink_list[@]}"; do

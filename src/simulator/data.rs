@@ -333,20 +333,38 @@ pub fn voucher(
     }
 }
 
-/// A generated `updated_at` for an initial record: a few percent null, some
-/// records share a bulk-import instant (ties), the rest spread over history.
+/// Share of the initial records dated at one bulk-import instant when
+/// `--bulk-import-share` is not given.
+pub const BULK_IMPORT_SHARE: f64 = 0.08;
+
+/// A generated `updated_at` for an initial record: a few percent null, a
+/// share `bulk_share` (of the rest) dated at one bulk-import instant (ties,
+/// listed in id order among themselves), the rest spread over history.
+/// `rng` draws exactly as with the default share whatever `bulk_share` is, so
+/// the records generated after this one are the same; another share than
+/// the default dates the record with draws from `dates` instead.
 pub fn initial_updated_at(
     rng: &mut StdRng,
+    dates: &mut StdRng,
     bulk: DateTime<Utc>,
+    bulk_share: f64,
     nullable: bool,
 ) -> Option<DateTime<Utc>> {
     if nullable && rng.random_bool(0.03) {
         return None;
     }
-    if rng.random_bool(0.08) {
+    let default_date = if rng.random_bool(BULK_IMPORT_SHARE) {
+        bulk
+    } else {
+        historic_time(rng)
+    };
+    if bulk_share == BULK_IMPORT_SHARE {
+        return Some(default_date);
+    }
+    if dates.random_bool(bulk_share) {
         return Some(bulk);
     }
-    Some(historic_time(rng))
+    Some(historic_time(dates))
 }
 
 /// A purchased voucher that can be redeemed (the Sales area, not listed).

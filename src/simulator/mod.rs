@@ -172,6 +172,11 @@ pub struct SimulateArgs {
     /// the start (e.g. `6h`), so the catalog carries a live one's change history.
     #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
     pub change_history: Duration,
+    /// Share of the initial records dated at one bulk-import instant (0..=1). They list in
+    /// id order among themselves, so 1 makes a first sync list a catalog in id order (after
+    /// the few vouchers without `updated_at`), as an API fed by one bulk import would.
+    #[arg(long, default_value_t = data::BULK_IMPORT_SHARE, value_parser = parse_fraction)]
+    pub bulk_import_share: f64,
     /// Seed of the generated data and of the background changes.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
@@ -230,6 +235,8 @@ pub struct SimulatorOptions {
     pub idle_tenants: f64,
     /// How long the background changes ran before the start (their `updated_at` history).
     pub change_history: Duration,
+    /// Share of the initial records dated at one bulk-import instant (0..=1).
+    pub bulk_import_share: f64,
     /// Seed of the generated data and background changes.
     pub seed: u64,
     /// Bearer token granting every permission on every tenant.
@@ -267,6 +274,7 @@ impl Default for SimulatorOptions {
             change_skew: 0.0,
             idle_tenants: 0.0,
             change_history: Duration::ZERO,
+            bulk_import_share: data::BULK_IMPORT_SHARE,
             seed: 42,
             token: "sim-token".to_string(),
             rate_limit: 120,
@@ -301,6 +309,7 @@ impl TryFrom<SimulateArgs> for SimulatorOptions {
             change_skew: args.change_skew,
             idle_tenants: args.idle_tenants,
             change_history: args.change_history,
+            bulk_import_share: args.bulk_import_share,
             seed: args.seed,
             token: args.token,
             rate_limit: args.rate_limit,
@@ -435,6 +444,12 @@ impl Simulator {
         }
         if !(0.0..=1.0).contains(&opts.idle_tenants) {
             anyhow::bail!("idle tenant share {} is outside 0..=1", opts.idle_tenants);
+        }
+        if !(0.0..=1.0).contains(&opts.bulk_import_share) {
+            anyhow::bail!(
+                "bulk import share {} is outside 0..=1",
+                opts.bulk_import_share
+            );
         }
         if !(opts.change_skew.is_finite() && opts.change_skew >= 0.0) {
             anyhow::bail!(

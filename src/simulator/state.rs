@@ -194,6 +194,7 @@ impl SimState {
                     t,
                     opts.vouchers,
                     opts.categories,
+                    opts.bulk_import_share,
                 ))
             })
             .collect();

@@ -170,21 +170,30 @@ fn to_bytes<T: serde::Serialize>(value: &T) -> Bytes {
 }
 
 impl TenantData {
-    /// Generates a tenant's initial data from the seed.
-    pub fn generate(seed: u64, tenant: TenantId, vouchers: usize, categories: usize) -> Self {
+    /// Generates a tenant's initial data from the seed, a share `bulk_share`
+    /// of its records dated at one bulk-import instant.
+    pub fn generate(
+        seed: u64,
+        tenant: TenantId,
+        vouchers: usize,
+        categories: usize,
+        bulk_share: f64,
+    ) -> Self {
         let mut rng = data::tenant_rng(seed, tenant, 0);
+        // Dates of another `bulk_share` than the default (`initial_updated_at`).
+        let mut dates = data::tenant_rng(seed, tenant, 4);
         let bulk = data::historic_time(&mut rng);
         let mut category_values = Vec::with_capacity(categories);
         for i in 0..categories {
             let id = i as i64 + 1;
-            let at = data::initial_updated_at(&mut rng, bulk, false);
+            let at = data::initial_updated_at(&mut rng, &mut dates, bulk, bulk_share, false);
             category_values.push(data::category(&mut rng, id, at));
         }
         let mut next_variant_id = 1;
         let mut voucher_values = Vec::with_capacity(vouchers);
         for i in 0..vouchers {
             let id = i as i64 + 1;
-            let at = data::initial_updated_at(&mut rng, bulk, true);
+            let at = data::initial_updated_at(&mut rng, &mut dates, bulk, bulk_share, true);
             voucher_values.push(data::voucher(
                 &mut rng,
                 tenant,
@@ -709,4 +718,112 @@ fn change_voucher(rng: &mut StdRng, value: &mut CatalogVoucher, revision: u64) {
         .unwrap_or("")
         .to_string();
     value.summary = Some(format!("{base} (revision {revision})"));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The ids of every voucher of `tenant`, in listing order.
+    fn listed_ids(tenant: &TenantData) -> Vec<i64> {
+        let (page, more) = tenant.page(Resource::Vouchers, None, None, 10_000, 0);
+        assert!(!more);
+        page.iter().map(|(key, _)| key.1).collect()
+    }
+
+    #[test]
+    fn a_catalog_from_one_bulk_import_lists_in_id_order_after_the_vouchers_without_a_date() {
+        let tenant = TenantData::generate(20, 1, 2_000, 5, 1.0);
+        let ids = listed_ids(&tenant);
+        assert_eq!(ids.len(), 2_000);
+        let undated: Vec<i64> = ids
+            .iter()
+            .copied()
+            .filter(|id| {
+                tenant
+                    .vouchers
+                    .get(*id)
+                    .is_some_and(|v| v.updated_at.is_none())
+            })
+            .collect();
+        assert!(
+            !undated.is_empty() && undated.len() < 200,
+            "{} undated",
+            undated.len()
+        );
+        let dated = &ids[undated.len()..];
+        assert!(undated.is_sorted() && dated.is_sorted());
+        assert_eq!(undated, ids[..undated.len()]);
+    }
+
+    /// A record as JSON without its `updated_at` and its related records'.
+    fn without_dates(record: &impl serde::Serialize) -> serde_json::Value {
+        fn strip(value: &mut serde_json::Value) {
+            match value {
+                serde_json::Value::Object(map) => {
+                    map.remove("updated_at");
+                    map.values_mut().for_each(strip);
+                }
+                serde_json::Value::Array(items) => items.iter_mut().for_each(strip),
+                _ => {}
+            }
+        }
+        let mut value = serde_json::to_value(record).expect("a generated record serializes");
+        strip(&mut value);
+        value
+    }
+
+    #[test]
+    fn another_bulk_import_share_changes_only_the_dates_of_the_records() {
+        let default = TenantData::generate(20, 1, 500, 5, data::BULK_IMPORT_SHARE);
+        for share in [0.0, 0.5, 1.0] {
+            let other = TenantData::generate(20, 1, 500, 5, share);
+            assert_eq!(default.vouchers.ids(), other.vouchers.ids());
+            let mut redated = 0;
+            for id in default.vouchers.ids() {
+                let (a, b) = (default.vouchers.get(id), other.vouchers.get(id));
+                let (Some(a), Some(b)) = (a, b) else {
+                    panic!("voucher {id} not generated");
+                };
+                assert_eq!(
+                    a.updated_at.is_none(),
+                    b.updated_at.is_none(),
+                    "voucher {id}"
+                );
+                redated += usize::from(a.updated_at != b.updated_at);
+                assert_eq!(
+                    without_dates(a),
+                    without_dates(b),
+                    "voucher {id} at share {share}"
+                );
+            }
+            assert!(redated > 100, "{redated} of 500 redated at share {share}");
+            for id in default.categories.ids() {
+                let (a, b) = (default.categories.get(id), other.categories.get(id));
+                assert_eq!(a.map(without_dates), b.map(without_dates), "category {id}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_default_share_dates_a_few_records_at_the_bulk_instant_and_lists_in_change_order() {
+        let tenant = TenantData::generate(20, 1, 2_000, 5, data::BULK_IMPORT_SHARE);
+        let ids = listed_ids(&tenant);
+        let in_order = ids.windows(2).filter(|pair| pair[0] < pair[1]).count();
+        assert!(
+            in_order < 1_400,
+            "{in_order} of 1,999 neighbours in id order"
+        );
+        let mut dates: HashMap<Option<DateTime<Utc>>, usize> = HashMap::new();
+        for id in &ids {
+            let voucher = tenant.vouchers.get(*id).expect("listed");
+            *dates.entry(voucher.updated_at).or_default() += 1;
+        }
+        let bulk = dates
+            .iter()
+            .filter(|(at, _)| at.is_some())
+            .map(|(_, n)| *n)
+            .max();
+        assert!(bulk.is_some_and(|n| (80..=250).contains(&n)), "{bulk:?}");
+    }
 }
