@@ -65,14 +65,14 @@ const FIRST_LIST_CAPACITY: usize = 4;
 /// list's allocation is malloc's smallest).
 const CHUNK_OVERHEAD: usize = 64;
 
-/// True when bit `low` of a chunk's bitmap is set.
-fn bit_is_set(bits: &[u64], low: u16) -> bool {
-    bits[usize::from(low) / 64] & (1 << (low % 64)) != 0
+/// True when bit `bit` of a bitmap (a chunk's, or a filter layer's) is set.
+fn bit_is_set(bits: &[u64], bit: usize) -> bool {
+    bits[bit / 64] & (1 << (bit % 64)) != 0
 }
 
-/// Sets bit `low` of a chunk's bitmap.
-fn set_bit(bits: &mut [u64], low: u16) {
-    bits[usize::from(low) / 64] |= 1 << (low % 64);
+/// Sets bit `bit` of a bitmap (a chunk's, or a filter layer's).
+fn set_bit(bits: &mut [u64], bit: usize) {
+    bits[bit / 64] |= 1 << (bit % 64);
 }
 
 /// The ids of one chunk, by their low 16 bits.
@@ -88,7 +88,7 @@ impl Chunk {
     fn contains(&self, low: u16) -> bool {
         match self {
             Chunk::List(ids) => ids.binary_search(&low).is_ok(),
-            Chunk::Bitmap(bits) => bit_is_set(bits, low),
+            Chunk::Bitmap(bits) => bit_is_set(bits, usize::from(low)),
         }
     }
 
@@ -117,7 +117,7 @@ impl Chunk {
             Chunk::List(ids) if ids.len() >= LIST_MAX => {
                 let mut bits = vec![0u64; BITMAP_BYTES / 8].into_boxed_slice();
                 for &held in ids.iter().chain([&low]) {
-                    set_bit(&mut bits, held);
+                    set_bit(&mut bits, usize::from(held));
                 }
                 *self = Chunk::Bitmap(bits);
             }
@@ -128,7 +128,7 @@ impl Chunk {
                 }
                 ids.insert(at, low);
             }
-            Chunk::Bitmap(bits) => set_bit(bits, low),
+            Chunk::Bitmap(bits) => set_bit(bits, usize::from(low)),
         }
     }
 }
@@ -204,7 +204,7 @@ impl CommittedIds {
             let lows: Box<dyn Iterator<Item = u16> + '_> = match ids {
                 Chunk::List(lows) => Box::new(lows.iter().copied()),
                 Chunk::Bitmap(bits) => {
-                    Box::new((0..=u16::MAX).filter(|&low| bit_is_set(bits, low)))
+                    Box::new((0..=u16::MAX).filter(|&low| bit_is_set(bits, usize::from(low))))
                 }
             };
             lows.map(move |low| (chunk << CHUNK_SHIFT) | i64::from(low))
@@ -287,13 +287,12 @@ impl Layer {
     }
 
     fn contains(&self, hash: u64) -> bool {
-        Layer::positions(hash, self.bits.len(), self.probes)
-            .all(|bit| self.bits[bit / 64] & (1 << (bit % 64)) != 0)
+        Layer::positions(hash, self.bits.len(), self.probes).all(|bit| bit_is_set(&self.bits, bit))
     }
 
     fn insert(&mut self, hash: u64) {
         for bit in Layer::positions(hash, self.bits.len(), self.probes) {
-            self.bits[bit / 64] |= 1 << (bit % 64);
+            set_bit(&mut self.bits, bit);
         }
         self.len += 1;
     }
@@ -324,7 +323,11 @@ impl IdFilter {
     /// False when `id` was never inserted; true when it was, and for a few
     /// ids that were not (under 2%).
     pub(crate) fn may_contain(&self, id: i64) -> bool {
-        let hash = hash_id(id);
+        self.holds_hash(hash_id(id))
+    }
+
+    /// True when a layer holds an id of hash `hash`.
+    fn holds_hash(&self, hash: u64) -> bool {
         self.layers.iter().any(|layer| layer.contains(hash))
     }
 
@@ -333,7 +336,7 @@ impl IdFilter {
     /// would grow the filter past `max_bytes`.
     pub(crate) fn insert(&mut self, id: i64, max_bytes: usize) -> Option<bool> {
         let hash = hash_id(id);
-        if self.layers.iter().any(|layer| layer.contains(hash)) {
+        if self.holds_hash(hash) {
             return Some(false);
         }
         if let Some((capacity, fp_rate)) = self.next_layer() {
