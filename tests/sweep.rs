@@ -1443,6 +1443,51 @@ async fn pages_read_ahead_while_a_page_is_published_are_published_and_committed_
     );
 }
 
+/// A sink that acknowledges at once leaves no time for pages to arrive
+/// meanwhile: the group's linger is what still gathers the pages listed back
+/// to back into groups of the most pages a group takes (8 + 2), each one
+/// intent batch, one publish and one commit.
+#[tokio::test]
+async fn pages_listed_back_to_back_fill_groups_within_the_linger_when_the_sink_acks_at_once() {
+    let mut h = spawn_harness(1, 500, 0).await;
+    // Generous, so that a slow debug build still lists eight pages within it.
+    h.settings.group_linger = Duration::from_secs(10);
+    let stream = StreamKey::new(1, V);
+    let report = h
+        .sweeper(stream)
+        .run(SweepKind::Incremental, &CancellationToken::new())
+        .await
+        .expect("sweep succeeds");
+    assert_eq!(report.pages, 10);
+    let events = h.sink.take();
+    assert_eq!(events.len(), 500, "one event per record");
+    assert_eq!(h.store.record_count(stream).unwrap(), 500);
+    assert_eq!(
+        h.sink.publish_calls(),
+        2,
+        "10 pages in groups of {} pages",
+        voucher_cdc::sweep::MAX_GROUP_PAGES
+    );
+}
+
+/// The listing's last page never waits for a page that will not come, and a
+/// one-page listing is published as soon as it is read.
+#[tokio::test]
+async fn the_last_page_of_a_listing_is_published_without_lingering() {
+    let mut h = spawn_harness(1, 20, 0).await;
+    h.settings.group_linger = Duration::from_secs(3600);
+    let stream = StreamKey::new(1, V);
+    let sweeper = h.sweeper(stream);
+    let cancel = CancellationToken::new();
+    let run = sweeper.run(SweepKind::Incremental, &cancel);
+    let report = tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("the sweep lingered after the last page")
+        .expect("sweep succeeds");
+    assert_eq!(report.pages, 1);
+    assert_eq!(h.sink.take().len(), 20);
+}
+
 /// With groups of one page every page is published on its own: the setting
 /// is what groups pages, not the sink.
 #[tokio::test]

@@ -39,7 +39,7 @@ use tracing::{debug, info, warn};
 
 pub use crate::state::SweepKind;
 pub use page::{dedupe, plan_page, Doomed, KnownRecords, PagePlan, PendingChange};
-pub use read_ahead::{MAX_GROUP_PAGES, READ_AHEAD_BYTES};
+pub use read_ahead::{GROUP_LINGER, MAX_GROUP_PAGES, READ_AHEAD_BYTES};
 
 use read_ahead::{PageGroup, ReadAhead};
 
@@ -101,6 +101,9 @@ pub struct SweepSettings {
     /// The most consecutive pages, among those already read ahead, that one
     /// intent batch, publish and commit take together (1: page by page).
     pub max_group_pages: usize,
+    /// How long a group waits after its first page for the listing's next
+    /// pages to join it (zero: only those already read ahead).
+    pub group_linger: Duration,
 }
 
 /// The `[poll]` defaults (one home: `crate::config`), and the sweep's own.
@@ -129,6 +132,7 @@ impl Default for SweepSettings {
             before: DEFAULT_BEFORE,
             read_ahead_bytes: READ_AHEAD_BYTES,
             max_group_pages: MAX_GROUP_PAGES,
+            group_linger: GROUP_LINGER,
         }
     }
 }
@@ -468,11 +472,14 @@ impl SweepRun<'_> {
         // did the listing end, rather than stop (cancelled).
         let mut listed_to_the_end = false;
         while let Some(read) = pages.next().await {
-            // Every page that arrived meanwhile joins the group: one intent
-            // batch, one publish and one commit for all of them.
+            // Every page that arrived meanwhile, or arrives within the
+            // group's linger, joins the group: one intent batch, one publish
+            // and one commit for all of them.
             let mut group = PageGroup::default();
             let mut failed = None;
             let mut next = Some(read);
+            // Pages still being listed join until then (see `read_ahead`).
+            let linger_until = tokio::time::Instant::now() + settings.group_linger;
             while let Some(read) = next.take() {
                 let (page, budget) = read.split();
                 let page = match page {
@@ -489,7 +496,11 @@ impl SweepRun<'_> {
                 self.count_page(&page);
                 group.take(page, budget);
                 if group.pages < settings.max_group_pages && !self.cancel.is_cancelled() {
-                    next = pages.ready();
+                    next = match pages.ready() {
+                        Some(read) => Some(read),
+                        None if group.more => pages.ready_by(linger_until).await,
+                        None => None,
+                    };
                 }
             }
             if let Some(listed_at) = group.listed_at {

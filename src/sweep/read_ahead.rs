@@ -5,8 +5,14 @@
 //! meanwhile, in a task of its own, and hands them over in listing order; the
 //! sweep then takes every page that has already arrived as one group
 //! ([`PageGroup`]): one intent batch, one publish, one commit for all of them,
-//! instead of an fsync pair per page. When pages come slowly (a rate-limited
-//! token), a group is the one page that arrived and nothing waits for more.
+//! instead of an fsync pair per page. A group waits up to [`GROUP_LINGER`]
+//! after its first page for the pages still to come (as Kafka's producers
+//! linger for a batch): pages listed back to back, as a first sync or a
+//! replay on a fast token lists them, then fill groups instead of leaving
+//! each fsync pair to the one page that happened to be there. When pages
+//! come slowly (a rate-limited token), a group is the one page that arrived,
+//! published at most [`GROUP_LINGER`] later; the listing's last page never
+//! waits.
 //!
 //! Memory stays bounded: the pages read ahead and not yet processed hold at
 //! most [`ReadAhead::new`]'s byte budget of records, plus the one page being
@@ -24,11 +30,13 @@
 //! instead of a page, under the same event ids.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use futures::{Stream, StreamExt};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -43,6 +51,12 @@ pub const READ_AHEAD_BYTES: usize = 1024 * 1024;
 /// The most pages one group takes (`SweepSettings::max_group_pages` default):
 /// 400 records, one publish run of vouchers.
 pub const MAX_GROUP_PAGES: usize = 8;
+
+/// How long a group waits, after its first page, for the listing's next
+/// pages (`SweepSettings::group_linger` default): eight pages of vouchers
+/// listed back to back arrive within it, a rate-limited listing's next page
+/// (half a second away at 120 requests a minute) does not.
+pub const GROUP_LINGER: Duration = Duration::from_millis(20);
 
 /// The budget counts in units of this many bytes (a semaphore's permits).
 const PERMIT_BYTES: usize = 1024;
@@ -68,6 +82,8 @@ pub struct PageBudget(#[allow(dead_code)] OwnedSemaphorePermit);
 /// Dropping it stops the listing (a request in flight is abandoned).
 pub struct ReadAhead {
     pages: mpsc::UnboundedReceiver<ReadPage>,
+    /// The byte budget the listing takes its pages' shares from.
+    budget: Arc<Semaphore>,
     task: JoinHandle<()>,
     /// The task was awaited (its pages are all handed over).
     ended: bool,
@@ -84,7 +100,9 @@ impl ReadAhead {
         let permits = (budget_bytes / PERMIT_BYTES).clamp(1, u32::MAX as usize);
         let budget = Arc::new(Semaphore::new(permits));
         let (tx, rx) = mpsc::unbounded_channel();
+        let listing_budget = budget.clone();
         let listing = async move {
+            let budget = listing_budget;
             futures::pin_mut!(pages);
             let mut first = true;
             loop {
@@ -124,6 +142,7 @@ impl ReadAhead {
         let task = tokio::spawn(listing.in_current_span());
         ReadAhead {
             pages: rx,
+            budget,
             task,
             ended: false,
         }
@@ -152,6 +171,20 @@ impl ReadAhead {
     /// The next page if it has arrived already.
     pub fn ready(&mut self) -> Option<ReadPage> {
         self.pages.try_recv().ok()
+    }
+
+    /// The next page if it arrives by `deadline`; None if it does not, or if
+    /// the listing ended (which [`Self::next`] then reports, a panic included).
+    /// Does not wait while the pages handed over hold the whole budget: the
+    /// next page cannot be read before some of them are dropped.
+    pub async fn ready_by(&mut self, deadline: Instant) -> Option<ReadPage> {
+        if self.budget.available_permits() == 0 {
+            return self.ready();
+        }
+        tokio::time::timeout_at(deadline, self.pages.recv())
+            .await
+            .ok()
+            .flatten()
     }
 }
 
@@ -376,16 +409,92 @@ mod tests {
         assert!(at_drop < 1000);
     }
 
-    #[tokio::test]
-    #[should_panic(expected = "decoder bug")]
-    async fn a_panic_while_listing_goes_on_in_the_sweep_instead_of_ending_the_listing() {
-        let panicking = futures::stream::iter(0..3).map(|i| {
+    /// A listing whose second page panics (a bug in the decoder).
+    fn panicking_listing() -> impl Stream<Item = Result<Page, UpstreamError>> + Send + 'static {
+        futures::stream::iter(0..3).map(|i| {
             if i == 1 {
                 panic!("decoder bug");
             }
             Ok(page(i * 10, 10, 100, false))
-        });
-        let mut pages = ReadAhead::new(panicking, 1 << 20, CancellationToken::new());
+        })
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "decoder bug")]
+    async fn a_panic_while_listing_goes_on_in_the_sweep_instead_of_ending_the_listing() {
+        let mut pages = ReadAhead::new(panicking_listing(), 1 << 20, CancellationToken::new());
+        while pages.next().await.is_some() {}
+    }
+
+    /// A listing of `count` pages of 10 records of 1 KiB, each listed `gap` after the one before.
+    fn slow_listing(
+        count: usize,
+        gap: Duration,
+    ) -> impl Stream<Item = Result<Page, UpstreamError>> + Send + 'static {
+        futures::stream::iter(0..count).then(move |i| async move {
+            tokio::time::sleep(gap).await;
+            Ok(page(i as i64 * 10, 10, 1024, i + 1 == count))
+        })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_page_listed_by_the_deadline_is_taken_and_one_listed_after_it_is_not() {
+        let gap = Duration::from_millis(30);
+        let mut pages = ReadAhead::new(slow_listing(3, gap), 1 << 20, CancellationToken::new());
+        let started = Instant::now();
+        let first = pages.next().await.expect("first page");
+        assert_eq!(ids(&first.split().0.expect("page").records)[0], 0);
+        // The second page is listed 30 ms after the first: a deadline 50 ms
+        // away takes it, one 10 ms away does not (and loses nothing).
+        assert!(pages.ready_by(Instant::now() + gap / 3).await.is_none());
+        let second = pages.ready_by(started + gap * 2 + gap / 2).await;
+        assert_eq!(
+            ids(&second
+                .expect("second page")
+                .split()
+                .0
+                .expect("page")
+                .records)[0],
+            10
+        );
+        let third = pages.ready_by(Instant::now() + gap * 2).await;
+        assert_eq!(
+            ids(&third.expect("third page").split().0.expect("page").records)[0],
+            20
+        );
+        // The listing ended: no wait, and `next` reports the end.
+        assert!(pages.ready_by(Instant::now() + gap * 100).await.is_none());
+        assert!(pages.next().await.is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn no_wait_for_a_page_the_budget_has_no_room_for_while_the_pages_taken_hold_it() {
+        // Pages of 10 KiB of records under a 10 KiB budget: the next page is
+        // listed only once the one taken is dropped.
+        let listing = futures::stream::iter(0..2).map(|i| Ok(page(i * 10, 10, 1024, i == 1)));
+        let mut pages = ReadAhead::new(listing, 10 * 1024, CancellationToken::new());
+        let first = pages.next().await.expect("first page");
+        let asked = Instant::now();
+        assert!(pages
+            .ready_by(asked + Duration::from_secs(3600))
+            .await
+            .is_none());
+        assert_eq!(
+            Instant::now(),
+            asked,
+            "waited for a page that could not come"
+        );
+        drop(first);
+        assert!(pages.next().await.is_some());
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "decoder bug")]
+    async fn a_panic_while_listing_a_page_waited_for_still_goes_on_in_the_sweep() {
+        let mut pages = ReadAhead::new(panicking_listing(), 1 << 20, CancellationToken::new());
+        assert!(pages.next().await.is_some());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        assert!(pages.ready_by(deadline).await.is_none());
         while pages.next().await.is_some() {}
     }
 
