@@ -1470,8 +1470,8 @@ async fn pages_listed_back_to_back_fill_groups_within_the_linger_when_the_sink_a
     );
 }
 
-/// The listing's last page never waits for a page that will not come, and a
-/// one-page listing is published as soon as it is read.
+/// A one-page listing is published as soon as it is read, whatever the
+/// linger: no wait follows the listing's last page.
 #[tokio::test]
 async fn the_last_page_of_a_listing_is_published_without_lingering() {
     let mut h = spawn_harness(1, 20, 0).await;
@@ -1505,7 +1505,7 @@ async fn with_groups_of_one_page_every_page_is_published_on_its_own() {
 async fn a_sweep_dropped_while_a_group_is_published_loses_nothing_and_keeps_the_ids() {
     let mut h = spawn_harness(1, 500, 0).await;
     let stream = StreamKey::new(1, V);
-    // Every publish takes 2 s: the pages listed during the first page's
+    // Every publish takes 2 s: the pages listed during the first group's
     // publish make the next group.
     h.sink.set_mode(FaultMode::SlowAck(Duration::from_secs(2)));
     let mut run = h.droppable_sweep(stream);

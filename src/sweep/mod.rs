@@ -16,8 +16,9 @@
 //! * a page commits only as an [`Acked`] batch, built from one delivery per
 //!   event (the count checked), so the invariant holds by the types;
 //! * the next pages are listed while a page is published (`read_ahead`),
-//!   and the pages that arrived meanwhile are taken as one group: one intent
-//!   batch, one publish, one commit, each as for a page.
+//!   and the pages that arrived meanwhile, or arrive within the group's
+//!   linger, are taken as one group: one intent batch, one publish, one
+//!   commit, each as for a page.
 //!
 //! The stream state is the ledger's ([`StreamLedger`]): the sweep begins and
 //! finishes through it and never saves the stream state itself. What a page
@@ -98,8 +99,9 @@ pub struct SweepSettings {
     /// Bytes of listed records read ahead of the pages being published (see
     /// [`ReadAhead`]); at least one page is always read ahead.
     pub read_ahead_bytes: usize,
-    /// The most consecutive pages, among those already read ahead, that one
-    /// intent batch, publish and commit take together (1: page by page).
+    /// The most consecutive pages, read ahead or arriving within
+    /// `group_linger`, that one intent batch, publish and commit take
+    /// together (1: page by page).
     pub max_group_pages: usize,
     /// How long a group waits after its first page for the listing's next
     /// pages to join it (zero: only those already read ahead).

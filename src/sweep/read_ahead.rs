@@ -34,7 +34,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use futures::{Stream, StreamExt};
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -53,9 +53,11 @@ pub const READ_AHEAD_BYTES: usize = 1024 * 1024;
 pub const MAX_GROUP_PAGES: usize = 8;
 
 /// How long a group waits, after its first page, for the listing's next
-/// pages (`SweepSettings::group_linger` default): eight pages of vouchers
-/// listed back to back arrive within it, a rate-limited listing's next page
-/// (half a second away at 120 requests a minute) does not.
+/// pages (`SweepSettings::group_linger` default). Against an upstream that
+/// answers a page in about 2 ms (the simulator on loopback), eight pages
+/// arrive within it; one that takes tens of milliseconds a page fills groups
+/// less; a rate-limited listing's next page (half a second away at 120
+/// requests a minute) never arrives within it.
 pub const GROUP_LINGER: Duration = Duration::from_millis(20);
 
 /// The budget counts in units of this many bytes (a semaphore's permits).
@@ -84,6 +86,11 @@ pub struct ReadAhead {
     pages: mpsc::UnboundedReceiver<ReadPage>,
     /// The byte budget the listing takes its pages' shares from.
     budget: Arc<Semaphore>,
+    /// Signalled when the listing waits for the budget before handing its
+    /// next page over: no page comes until the caller drops some.
+    budget_full: Arc<Notify>,
+    /// Stops the listing, and any wait for its next page.
+    cancel: CancellationToken,
     task: JoinHandle<()>,
     /// The task was awaited (its pages are all handed over).
     ended: bool,
@@ -100,9 +107,11 @@ impl ReadAhead {
         let permits = (budget_bytes / PERMIT_BYTES).clamp(1, u32::MAX as usize);
         let budget = Arc::new(Semaphore::new(permits));
         let (tx, rx) = mpsc::unbounded_channel();
-        let listing_budget = budget.clone();
+        let budget_full = Arc::new(Notify::new());
+        let (listing_budget, listing_full) = (budget.clone(), budget_full.clone());
+        let listing_cancel = cancel.clone();
         let listing = async move {
-            let budget = listing_budget;
+            let (budget, budget_full, cancel) = (listing_budget, listing_full, listing_cancel);
             futures::pin_mut!(pages);
             let mut first = true;
             loop {
@@ -116,6 +125,9 @@ impl ReadAhead {
                 let failed = page.is_err();
                 let bytes = page.as_ref().map(Page::record_bytes).unwrap_or(0);
                 let wanted = (bytes / PERMIT_BYTES).clamp(1, permits);
+                if budget.available_permits() < wanted {
+                    budget_full.notify_waiters();
+                }
                 // Closed never: the semaphore lives as long as this task.
                 let Ok(share) = budget.clone().acquire_many_owned(wanted as u32).await else {
                     return;
@@ -132,6 +144,7 @@ impl ReadAhead {
                     // their products is megabytes): its successor is likely as
                     // large, so it is listed only once this one is dropped, and
                     // such a listing goes page by page, as without read-ahead.
+                    budget_full.notify_waiters();
                     if budget.acquire_many(permits as u32).await.is_err() {
                         return;
                     }
@@ -143,6 +156,8 @@ impl ReadAhead {
         ReadAhead {
             pages: rx,
             budget,
+            budget_full,
+            cancel,
             task,
             ended: false,
         }
@@ -175,16 +190,27 @@ impl ReadAhead {
 
     /// The next page if it arrives by `deadline`; None if it does not, or if
     /// the listing ended (which [`Self::next`] then reports, a panic included).
-    /// Does not wait while the pages handed over hold the whole budget: the
-    /// next page cannot be read before some of them are dropped.
+    /// Stops waiting once the listing is cancelled, or once it waits for
+    /// budget the pages handed over hold: the next page cannot come before
+    /// some of them are dropped.
     pub async fn ready_by(&mut self, deadline: Instant) -> Option<ReadPage> {
-        if self.budget.available_permits() == 0 {
+        let budget_full = self.budget_full.clone();
+        let budget_full = budget_full.notified();
+        tokio::pin!(budget_full);
+        // Listening before the check: a listing that blocks after it still wakes us.
+        budget_full.as_mut().enable();
+        // A listing waiting for budget holds every permit left (tokio's
+        // semaphore hands them to the waiter as they come).
+        if self.budget.available_permits() == 0 || self.cancel.is_cancelled() {
             return self.ready();
         }
-        tokio::time::timeout_at(deadline, self.pages.recv())
-            .await
-            .ok()
-            .flatten()
+        tokio::select! {
+            biased;
+            page = self.pages.recv() => page,
+            () = self.cancel.cancelled() => None,
+            () = &mut budget_full => self.ready(),
+            () = tokio::time::sleep_until(deadline) => None,
+        }
     }
 }
 
@@ -463,14 +489,17 @@ mod tests {
             20
         );
         // The listing ended: no wait, and `next` reports the end.
-        assert!(pages.ready_by(Instant::now() + gap * 100).await.is_none());
+        let asked = Instant::now();
+        assert!(pages.ready_by(asked + gap * 100).await.is_none());
+        assert_eq!(Instant::now(), asked, "waited after the listing ended");
         assert!(pages.next().await.is_none());
     }
 
     #[tokio::test(start_paused = true)]
     async fn no_wait_for_a_page_the_budget_has_no_room_for_while_the_pages_taken_hold_it() {
-        // Pages of 10 KiB of records under a 10 KiB budget: the next page is
-        // listed only once the one taken is dropped.
+        // Pages of 10 KiB of records (9 permits of 1 KiB) under a 10 KiB
+        // budget: the listing waits for the budget, holding the permit left,
+        // until the page taken is dropped.
         let listing = futures::stream::iter(0..2).map(|i| Ok(page(i * 10, 10, 1024, i == 1)));
         let mut pages = ReadAhead::new(listing, 10 * 1024, CancellationToken::new());
         let first = pages.next().await.expect("first page");
@@ -486,6 +515,55 @@ mod tests {
         );
         drop(first);
         assert!(pages.next().await.is_some());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_ends_when_the_listing_starts_waiting_for_budget_the_pages_taken_hold() {
+        // Pages of 5 KiB (4 permits) under a 10 KiB budget, 30 ms apart: the
+        // second fits beside the first, the third does not (2 permits left,
+        // so the wait for it starts).
+        let listing = futures::stream::iter(0..3).then(|i| async move {
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            Ok(page(i * 5, 5, 1024, i == 2))
+        });
+        let mut pages = ReadAhead::new(listing, 10 * 1024, CancellationToken::new());
+        let first = pages.next().await.expect("first page");
+        let far = Instant::now() + Duration::from_secs(3600);
+        let second = pages.ready_by(far).await.expect("the second page fits");
+        let asked = Instant::now();
+        assert!(pages.ready_by(far).await.is_none());
+        assert_eq!(
+            Instant::now() - asked,
+            Duration::from_millis(30),
+            "the wait ends when the third page is listed and finds no budget"
+        );
+        drop((first, second));
+        assert!(
+            pages.next().await.is_some(),
+            "listed once the budget is back"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cancel_ends_a_wait_for_the_next_page() {
+        let cancel = CancellationToken::new();
+        let mut pages = ReadAhead::new(
+            slow_listing(3, Duration::from_secs(60)),
+            1 << 20,
+            cancel.clone(),
+        );
+        assert!(pages.next().await.is_some());
+        let asked = Instant::now();
+        let canceller = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            cancel.cancel();
+        });
+        assert!(pages
+            .ready_by(asked + Duration::from_secs(30))
+            .await
+            .is_none());
+        assert_eq!(Instant::now() - asked, Duration::from_millis(5));
+        canceller.await.expect("canceller");
     }
 
     #[tokio::test]
