@@ -498,10 +498,11 @@ impl SweepRun<'_> {
                 self.count_page(&page);
                 group.take(page, budget);
                 if group.pages < settings.max_group_pages && !self.cancel.is_cancelled() {
-                    next = match pages.ready() {
-                        Some(read) => Some(read),
-                        None if group.more => pages.ready_by(linger_until).await,
-                        None => None,
+                    // After the listing's last page nothing is waited for.
+                    next = if group.more {
+                        pages.ready_by(linger_until).await
+                    } else {
+                        pages.ready()
                     };
                 }
             }

@@ -108,10 +108,10 @@ impl ReadAhead {
         let budget = Arc::new(Semaphore::new(permits));
         let (tx, rx) = mpsc::unbounded_channel();
         let budget_full = Arc::new(Notify::new());
-        let (listing_budget, listing_full) = (budget.clone(), budget_full.clone());
-        let listing_cancel = cancel.clone();
+        let (budget_held, budget_full_held, cancel_held) =
+            (budget.clone(), budget_full.clone(), cancel.clone());
         let listing = async move {
-            let (budget, budget_full, cancel) = (listing_budget, listing_full, listing_cancel);
+            let (budget, budget_full, cancel) = (budget_held, budget_full_held, cancel_held);
             futures::pin_mut!(pages);
             let mut first = true;
             loop {
@@ -452,21 +452,23 @@ mod tests {
         while pages.next().await.is_some() {}
     }
 
-    /// A listing of `count` pages of 10 records of 1 KiB, each listed `gap` after the one before.
+    /// A listing of `count` pages of `records` records of 1 KiB, each listed
+    /// `gap` after the one before.
     fn slow_listing(
         count: usize,
+        records: usize,
         gap: Duration,
     ) -> impl Stream<Item = Result<Page, UpstreamError>> + Send + 'static {
         futures::stream::iter(0..count).then(move |i| async move {
             tokio::time::sleep(gap).await;
-            Ok(page(i as i64 * 10, 10, 1024, i + 1 == count))
+            Ok(page((i * records) as i64, records, 1024, i + 1 == count))
         })
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_page_listed_by_the_deadline_is_taken_and_one_listed_after_it_is_not() {
         let gap = Duration::from_millis(30);
-        let mut pages = ReadAhead::new(slow_listing(3, gap), 1 << 20, CancellationToken::new());
+        let mut pages = ReadAhead::new(slow_listing(3, 10, gap), 1 << 20, CancellationToken::new());
         let started = Instant::now();
         let first = pages.next().await.expect("first page");
         assert_eq!(ids(&first.split().0.expect("page").records)[0], 0);
@@ -522,10 +524,7 @@ mod tests {
         // Pages of 5 KiB (4 permits) under a 10 KiB budget, 30 ms apart: the
         // second fits beside the first, the third does not (2 permits left,
         // so the wait for it starts).
-        let listing = futures::stream::iter(0..3).then(|i| async move {
-            tokio::time::sleep(Duration::from_millis(30)).await;
-            Ok(page(i * 5, 5, 1024, i == 2))
-        });
+        let listing = slow_listing(3, 5, Duration::from_millis(30));
         let mut pages = ReadAhead::new(listing, 10 * 1024, CancellationToken::new());
         let first = pages.next().await.expect("first page");
         let far = Instant::now() + Duration::from_secs(3600);
@@ -548,7 +547,7 @@ mod tests {
     async fn a_cancel_ends_a_wait_for_the_next_page() {
         let cancel = CancellationToken::new();
         let mut pages = ReadAhead::new(
-            slow_listing(3, Duration::from_secs(60)),
+            slow_listing(3, 10, Duration::from_secs(60)),
             1 << 20,
             cancel.clone(),
         );
