@@ -127,6 +127,8 @@ struct Scratch {
     resorted: Vec<u8>,
     /// (key prefix, position) of the members of the object being sorted.
     order: Vec<u128>,
+    /// Key orders of the object shapes sorted recently (see [`ShapeCache`]).
+    shapes: ShapeCache,
     /// Number digits while a number is normalised.
     digits: Vec<u8>,
     /// Tests: sort each object in place when it closes, as earlier versions
@@ -323,11 +325,25 @@ fn canonicalize_value(
 /// Appends `members` to `sorted` in key order; stable: duplicate keys keep
 /// their input order.
 ///
-/// Sorts (key prefix, position) pairs, which orders every key whose first
-/// eight bytes differ from its neighbours' without touching the key bytes or
-/// moving the spans; only runs of equal prefixes are then ordered by the whole
-/// key (a prefix tie of keys of at most eight bytes is an equal key).
-fn sort_members(out: &[u8], members: &[Member], order: &mut Vec<u128>, sorted: &mut Vec<Member>) {
+/// Records of one kind list their keys in the same order, so most objects
+/// have a shape sorted before: [`ShapeCache`] gives its order back for the
+/// price of comparing the prefixes. Otherwise sorts (key prefix, position)
+/// pairs, which orders every key whose first eight bytes differ from its
+/// neighbours' without touching the key bytes or moving the spans; only runs
+/// of equal prefixes are then ordered by the whole key (a prefix tie of keys
+/// of at most eight bytes is an equal key).
+fn sort_members(
+    out: &[u8],
+    members: &[Member],
+    order: &mut Vec<u128>,
+    shapes: &mut ShapeCache,
+    sorted: &mut Vec<Member>,
+) {
+    let slot = shapes.slot(members);
+    if let Some(known) = slot.and_then(|slot| shapes.order(slot, out, members)) {
+        sorted.extend(known.iter().map(|&i| members[i as usize]));
+        return;
+    }
     order.clear();
     order.extend(
         members
@@ -353,6 +369,100 @@ fn sort_members(out: &[u8], members: &[Member], order: &mut Vec<u128>, sorted: &
         run = end;
     }
     sorted.extend(order.iter().map(|&o| *member(o)));
+    if let Some(slot) = slot {
+        shapes.remember(slot, members, order);
+    }
+}
+
+/// The key order of recently sorted object shapes, a small direct-mapped
+/// table keyed by the sequence of key prefixes in input order.
+///
+/// An object with the same prefix sequence as a remembered shape has its
+/// order wherever prefixes differ, whatever its keys' bytes past the eighth.
+/// Where neighbours in that order share a prefix (`image_url` and
+/// `image_urls`), their whole keys are compared once more: when each such
+/// pair is still in order (or equal keys in input order), the order is the
+/// one a sort would give; else the object is sorted. Bounded: [`ShapeCache::SLOTS`] shapes of at most
+/// [`ShapeCache::MAX_KEYS`] keys.
+#[derive(Default)]
+struct ShapeCache {
+    /// Filled on first use; a slot is overwritten by the next shape that maps to it.
+    slots: Vec<Shape>,
+}
+
+/// One remembered object shape.
+#[derive(Default)]
+struct Shape {
+    /// The key prefixes, in input order.
+    prefixes: Vec<u64>,
+    /// Input positions, in key order.
+    order: Vec<u32>,
+    /// The places `i` in `order` where `order[i]` and `order[i + 1]` share
+    /// their prefix.
+    ties: Vec<u32>,
+}
+
+impl ShapeCache {
+    const SLOTS: usize = 64;
+    const MAX_KEYS: usize = 64;
+
+    /// The slot of the shape of `members`; None for shapes too large to keep.
+    #[inline]
+    fn slot(&self, members: &[Member]) -> Option<usize> {
+        if members.len() > Self::MAX_KEYS {
+            return None;
+        }
+        let mut hash = members.len() as u64;
+        for m in members {
+            hash = (hash.rotate_left(5) ^ m.prefix).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+        Some((hash >> 58) as usize % Self::SLOTS)
+    }
+
+    /// The key order kept in `slot`, when it is the key order of `members`
+    /// (whose keys are in `out`).
+    #[inline]
+    fn order(&self, slot: usize, out: &[u8], members: &[Member]) -> Option<&[u32]> {
+        let shape = self.slots.get(slot)?;
+        let same = shape.prefixes.len() == members.len()
+            && shape
+                .prefixes
+                .iter()
+                .zip(members)
+                .all(|(&p, m)| p == m.prefix);
+        if !same {
+            return None;
+        }
+        let order = shape.order.as_slice();
+        let ties_in_order = shape.ties.iter().all(|&i| {
+            let (a, b) = (order[i as usize], order[i as usize + 1]);
+            // Equal keys are in input order already: the sort that made
+            // `order` was stable.
+            members[a as usize].key(out) <= members[b as usize].key(out)
+        });
+        ties_in_order.then_some(order)
+    }
+
+    /// Keeps the key order `order` ((prefix, position) pairs in key order)
+    /// of `members` in `slot`.
+    fn remember(&mut self, slot: usize, members: &[Member], order: &[u128]) {
+        if self.slots.is_empty() {
+            self.slots.resize_with(Self::SLOTS, Shape::default);
+        }
+        let shape = &mut self.slots[slot];
+        shape.prefixes.clear();
+        shape.prefixes.extend(members.iter().map(|m| m.prefix));
+        shape.order.clear();
+        shape.order.extend(order.iter().map(|&o| o as u64 as u32));
+        shape.ties.clear();
+        shape.ties.extend(
+            order
+                .windows(2)
+                .enumerate()
+                .filter(|(_, pair)| pair[0] >> 64 == pair[1] >> 64)
+                .map(|(i, _)| i as u32),
+        );
+    }
 }
 
 /// A range of `Scratch::out` and the objects opened inside it.
@@ -661,6 +771,7 @@ impl Parser<'_, '_> {
                 &scratch.out,
                 &scratch.members[first_member..],
                 &mut scratch.order,
+                &mut scratch.shapes,
                 &mut scratch.sorted,
             );
             (lo as u32, scratch.sorted.len() as u32)
@@ -1477,6 +1588,41 @@ mod tests {
         })
     }
 
+    /// Keys for records of few shapes: short ones, long ones whose first
+    /// eight bytes are the same (prefix ties) or differ only past the eighth
+    /// byte in different records, and a repeated key.
+    const SHAPE_KEYS: [&str; 10] = [
+        "id",
+        "slug",
+        "price",
+        "abcdefgh_one",
+        "abcdefgh_two",
+        "abcdefgX",
+        "variant_summaries",
+        "variant_sum",
+        "updated_at",
+        "id",
+    ];
+
+    /// A record of the keys `members` picks from [`SHAPE_KEYS`], in that
+    /// order, each with a small object, a string or a number as its value.
+    fn shape_record(members: &[(usize, u8)]) -> String {
+        let mut text = String::from("{");
+        for (i, &(key, value)) in members.iter().enumerate() {
+            if i > 0 {
+                text.push(',');
+            }
+            let value = match value {
+                0 => format!("{{\"z\":{i},\"a\":{key}}}"),
+                1 => format!("\"v{i}\""),
+                _ => format!("{i}.50"),
+            };
+            text.push_str(&format!("\"{}\":{value}", SHAPE_KEYS[key]));
+        }
+        text.push('}');
+        text
+    }
+
     /// The canonical form written by this version (`eager` false) or by
     /// sorting each object in place as it closes (`eager` true).
     fn canonical_with(raw: &str, ignore: &IgnoreKeys, eager: bool) -> Result<Vec<u8>, HashError> {
@@ -1715,6 +1861,43 @@ mod tests {
                 "{}",
                 text
             );
+        }
+
+        #[test]
+        fn objects_sorted_by_a_remembered_shape_get_the_bytes_of_a_fresh_sort(
+            shapes in prop::collection::vec(
+                prop::collection::vec(0usize..SHAPE_KEYS.len(), 0..12),
+                1..4,
+            ),
+            picks in prop::collection::vec((any::<prop::sample::Index>(), 0usize..12, 0usize..12, 0u8..3), 1..40),
+        ) {
+            // Records of a few shapes, some with two keys swapped (which
+            // keeps the prefix sequence when both share their prefix).
+            let records: Vec<Vec<(usize, u8)>> = picks
+                .iter()
+                .map(|(shape, a, b, value)| {
+                    let mut keys = shapes[shape.index(shapes.len())].clone();
+                    if *a < keys.len() && *b < keys.len() {
+                        keys.swap(*a, *b);
+                    }
+                    keys.into_iter().map(|key| (key, *value)).collect()
+                })
+                .collect();
+            // One scratch for every record, as a listing's thread has: the
+            // shapes sorted by earlier records are reused by later ones.
+            let mut warm = Scratch::default();
+            let ignore = IgnoreKeys::new(["updated_at"]);
+            for members in &records {
+                let text = shape_record(members);
+                let reused = canonicalize_then(&mut warm, &text, &ignore, <[u8]>::to_vec).unwrap();
+                let fresh = canonical_with(&text, &ignore, true).unwrap();
+                prop_assert_eq!(
+                    String::from_utf8_lossy(&reused),
+                    String::from_utf8_lossy(&fresh),
+                    "{}",
+                    text
+                );
+            }
         }
 
         #[test]
