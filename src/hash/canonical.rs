@@ -382,7 +382,7 @@ fn sort_members(
 /// Where neighbours in that order share a prefix (`image_url` and
 /// `image_urls`), their whole keys are compared once more: when each such
 /// pair is still in order (or equal keys in input order), the order is the
-/// one a sort would give; else the object is sorted. Bounded: [`ShapeCache::SLOTS`] shapes of at most
+/// one a sort would give (equal keys in input order); else the object is sorted. Bounded: [`ShapeCache::SLOTS`] shapes of at most
 /// [`ShapeCache::MAX_KEYS`] keys.
 #[derive(Default)]
 struct ShapeCache {
@@ -436,9 +436,10 @@ impl ShapeCache {
         let order = shape.order.as_slice();
         let ties_in_order = shape.ties.iter().all(|&i| {
             let (a, b) = (order[i as usize], order[i as usize + 1]);
-            // Equal keys are in input order already: the sort that made
-            // `order` was stable.
-            members[a as usize].key(out) <= members[b as usize].key(out)
+            // Equal keys must be in input order: the shape's were, but
+            // there they may have been two different keys.
+            let (key_a, key_b) = (members[a as usize].key(out), members[b as usize].key(out));
+            key_a.cmp(key_b).then(a.cmp(&b)).is_lt()
         });
         ties_in_order.then_some(order)
     }
@@ -1046,7 +1047,7 @@ impl Parser<'_, '_> {
 /// (Also how the page decoder skips strings.)
 #[inline]
 pub(crate) fn plain_run_end(input: &[u8], pos: usize) -> usize {
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
     let pos = match plain_run_end_sse2(input, pos) {
         Ok(end) => return end,
         Err(pos) => pos,
@@ -1056,7 +1057,7 @@ pub(crate) fn plain_run_end(input: &[u8], pos: usize) -> usize {
 
 /// [`plain_run_end`] over whole 16-byte blocks: `Ok` with the end when a
 /// special byte is found, else `Err` with where the last partial block starts.
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
 #[inline]
 fn plain_run_end_sse2(input: &[u8], mut pos: usize) -> Result<usize, usize> {
     use std::arch::x86_64::{
@@ -1588,6 +1589,33 @@ mod tests {
         })
     }
 
+    #[test]
+    fn a_remembered_shape_keeps_a_repeated_key_in_input_order() {
+        // The first record leaves the order of two different keys that share
+        // their first eight bytes; the second has one of them twice there.
+        let mut warm = Scratch::default();
+        let ignore = IgnoreKeys::none();
+        for text in [
+            r#"{"z":0,"image_urls":1,"image_url":2}"#,
+            r#"{"z":0,"image_url":1,"image_url":2}"#,
+        ] {
+            let reused = canonicalize_then(&mut warm, text, &ignore, <[u8]>::to_vec).unwrap();
+            let fresh = canonical_with(text, &ignore, true).unwrap();
+            assert_eq!(
+                String::from_utf8(reused).unwrap(),
+                String::from_utf8(fresh).unwrap()
+            );
+        }
+        let out = canonicalize_then(
+            &mut warm,
+            r#"{"z":0,"image_url":1,"image_url":2}"#,
+            &ignore,
+            <[u8]>::to_vec,
+        )
+        .unwrap();
+        assert_eq!(out, br#"{"image_url":1,"image_url":2,"z":0}"#);
+    }
+
     /// Keys for records of few shapes: short ones, long ones whose first
     /// eight bytes are the same (prefix ties) or differ only past the eighth
     /// byte in different records, and a repeated key.
@@ -1869,16 +1897,24 @@ mod tests {
                 prop::collection::vec(0usize..SHAPE_KEYS.len(), 0..12),
                 1..4,
             ),
-            picks in prop::collection::vec((any::<prop::sample::Index>(), 0usize..12, 0usize..12, 0u8..3), 1..40),
+            picks in prop::collection::vec(
+                (any::<prop::sample::Index>(), 0usize..12, 0usize..12, any::<bool>(), 0u8..3),
+                1..40,
+            ),
         ) {
-            // Records of a few shapes, some with two keys swapped (which
-            // keeps the prefix sequence when both share their prefix).
+            // Records of a few shapes, some with two keys swapped or one key
+            // written over another (both keep the prefix sequence when the
+            // two keys share their prefix).
             let records: Vec<Vec<(usize, u8)>> = picks
                 .iter()
-                .map(|(shape, a, b, value)| {
+                .map(|(shape, a, b, swap, value)| {
                     let mut keys = shapes[shape.index(shapes.len())].clone();
                     if *a < keys.len() && *b < keys.len() {
-                        keys.swap(*a, *b);
+                        if *swap {
+                            keys.swap(*a, *b);
+                        } else {
+                            keys[*b] = keys[*a];
+                        }
                     }
                     keys.into_iter().map(|key| (key, *value)).collect()
                 })
