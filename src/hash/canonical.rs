@@ -822,6 +822,7 @@ impl Parser<'_, '_> {
 
     /// Writes a string; true when its canonical form is the input text as it
     /// is (no escapes), which is then still owed.
+    #[inline(always)]
     fn string(&mut self) -> Result<bool, HashError> {
         self.pos += 1; // opening quote, written as it is
         let mut verbatim = true;
