@@ -2,7 +2,10 @@
 //! included) the client turns into records per second, in pages/s and MB/s.
 //!
 //! `pages_with_hashes` is what a sweep does: one pass that also computes
-//! every record's content hash (`decode_page_hashed`).
+//! every record's content hash and raw print (`decode_page_hashed`);
+//! `pages_delimited_and_printed` what a full sweep of a known stream does:
+//! records delimited and printed, their hashes left to the records whose
+//! print changed.
 //!
 //! Run: `cargo bench --bench decode`.
 
@@ -11,8 +14,8 @@ use serde_json::{json, Value};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use voucher_cdc::hash::IgnoreKeys;
-use voucher_cdc::upstream::page::{decode_page, decode_page_hashed};
+use voucher_cdc::hash::{IgnoreKeys, PrintKey};
+use voucher_cdc::upstream::page::{decode_page, decode_page_hashed, Hashing};
 
 /// Records per page, fixed by the API.
 const PAGE_SIZE: usize = 50;
@@ -62,6 +65,15 @@ fn voucher_page() -> Vec<u8> {
 fn decode(c: &mut Criterion) {
     let body = Bytes::from(voucher_page());
     let ignore = Arc::new(IgnoreKeys::new(["updated_at"]));
+    let eager = Hashing {
+        ignore: ignore.clone(),
+        prints: Some(PrintKey::new(b"bench-secret-000", &ignore)),
+        defer: false,
+    };
+    let deferred = Hashing {
+        defer: true,
+        ..eager.clone()
+    };
     assert_eq!(
         decode_page(&body).expect("page decodes").page.records.len(),
         PAGE_SIZE
@@ -77,8 +89,13 @@ fn decode(c: &mut Criterion) {
     });
     // What a sweep's listing does: one pass reads every record and its content hash.
     group.bench_function("vouchers_50_with_relations/pages_with_hashes", |b| {
-        b.iter(|| decode_page_hashed(black_box(&body), &ignore).expect("page decodes"))
+        b.iter(|| decode_page_hashed(black_box(&body), &eager).expect("page decodes"))
     });
+    // What a full sweep of a known stream does: records delimited and printed.
+    group.bench_function(
+        "vouchers_50_with_relations/pages_delimited_and_printed",
+        |b| b.iter(|| decode_page_hashed(black_box(&body), &deferred).expect("page decodes")),
+    );
     // Baseline: a full serde_json::Value tree per page, which the client avoids.
     group.throughput(Throughput::Bytes(body.len() as u64));
     group.bench_function("baseline_value_tree/bytes", |b| {

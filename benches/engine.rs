@@ -22,7 +22,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::json;
 
 use voucher_cdc::diff::{decide, Decision, SweepMode};
-use voucher_cdc::hash::{content_hash, content_hash_with_fields, IgnoreKeys};
+use voucher_cdc::hash::{content_hash, content_hash_with_fields, IgnoreKeys, RawPrint};
 use voucher_cdc::state::{
     Acked, Delivery, Intent, PageCommit, RecordState, SledStore, StateStore, StoredVersion,
 };
@@ -179,6 +179,7 @@ fn plan_page(
                         seen_epoch: epoch,
                         generation,
                         seq: 1,
+                        print: Some(RawPrint(*id as u64)),
                     },
                 ));
             }

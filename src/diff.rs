@@ -209,6 +209,7 @@ mod tests {
             seen_epoch,
             generation: 3,
             seq,
+            print: None,
         }
     }
 

@@ -520,6 +520,9 @@ fn crashing_store(
 }
 
 impl StateStore for HookedStore {
+    fn print_secret(&self) -> Option<[u8; voucher_cdc::hash::PRINT_SECRET_LEN]> {
+        self.inner.print_secret()
+    }
     fn load_stream(&self, key: StreamKey) -> Result<StreamState, StateError> {
         (self.hook)("load_stream")?;
         self.inner.load_stream(key)
@@ -1534,4 +1537,42 @@ async fn a_sweep_dropped_while_a_group_is_published_loses_nothing_and_keeps_the_
     .await;
     drop(run);
     recover_after_drop(&mut h, stream, first).await;
+}
+
+#[tokio::test]
+async fn a_full_sweep_stores_the_print_of_a_touched_record_and_keeps_it_while_it_is_unchanged() {
+    let h = spawn_harness(1, 10, 0).await;
+    let stream = StreamKey::new(1, V);
+    h.sweep(1, V, SweepKind::Incremental).await;
+    let id = h.sim.record_ids(1, V)[3];
+    let print = |h: &Harness| {
+        h.store.get_records(stream, &[id]).unwrap()[0]
+            .unwrap()
+            .print
+    };
+    let first = print(&h);
+    assert!(first.is_some(), "a committed change stores its print");
+    // A touch moves only `updated_at`, which the content hash ignores: no
+    // event, and the stored print is now of older bytes.
+    h.sim.touch(1, V, id);
+    assert!(h.sweep(1, V, SweepKind::Incremental).await.is_empty());
+    assert_eq!(
+        print(&h),
+        first,
+        "an incremental sweep keeps prints as they are"
+    );
+    assert!(h.sweep(1, V, SweepKind::Full).await.is_empty());
+    h.store.flush().unwrap();
+    let reprinted = print(&h);
+    assert!(
+        reprinted.is_some() && reprinted != first,
+        "the full sweep reprinted it"
+    );
+    assert!(h.sweep(1, V, SweepKind::Full).await.is_empty());
+    h.store.flush().unwrap();
+    assert_eq!(print(&h), reprinted);
+    // Its content changing later is still published.
+    h.sim.update_silently(1, V, id);
+    let events = h.sweep(1, V, SweepKind::Full).await;
+    assert_eq!(subjects(&events), vec![id]);
 }

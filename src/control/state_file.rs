@@ -459,6 +459,7 @@ mod tests {
             seen_epoch: 3,
             generation: 1,
             seq: 2,
+            print: None,
         }
     }
 

@@ -232,6 +232,7 @@ mod tests {
                     seen_epoch: 0,
                     generation: 0,
                     seq: 0,
+                    print: None,
                 };
                 (i64::from(n), record)
             })

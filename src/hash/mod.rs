@@ -5,6 +5,7 @@
 
 mod canonical;
 mod fields;
+mod print;
 
 use std::fmt;
 use std::str::FromStr;
@@ -17,6 +18,7 @@ pub use fields::{
     changed_fields, content_hash_with_fields, decode_field_list, encode_field_list, FieldHash,
     FieldHashes,
 };
+pub use print::{PrintKey, RawPrint, PRINT_SECRET_LEN};
 
 /// The first 16 bytes of a blake3 digest: the 128-bit form of every hash the
 /// bridge publishes (content hashes, event ids, replay data hashes).
@@ -182,6 +184,11 @@ impl IgnoreKeys {
     /// True when no key is ignored.
     pub fn is_empty(&self) -> bool {
         self.keys.is_empty()
+    }
+
+    /// The keys, escaped canonically and without quotes, sorted.
+    fn canonical_keys(&self) -> impl Iterator<Item = &[u8]> {
+        self.keys.iter().map(Vec::as_slice)
     }
 
     /// True when `canonical_key` (escaped canonically, without quotes) is ignored.

@@ -9,6 +9,7 @@
 //! the batch it covers, as in quickwit's sources and vector's finalizers.
 
 use super::{DeadLetter, RecordState, StoredVersion, Tombstone};
+use crate::hash::{ContentHash, RawPrint};
 
 /// The sink's final answer for one published event.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,6 +60,31 @@ pub struct PageCommit {
     /// The stored versions of committed records (`events.changed_fields`,
     /// `events.before`), each describing the version its record commits.
     pub versions: Vec<(i64, StoredVersion)>,
+    /// Unchanged records `seen` whose listed bytes print otherwise than their
+    /// committed state (it has no print, or one of older bytes, such as
+    /// before a touch that only moved `updated_at`): the print to keep.
+    pub reprints: Vec<(i64, Reprint)>,
+}
+
+/// A print to keep for a record, made from listed bytes whose content hash
+/// is `hash`: kept only if the record's committed hash is still `hash`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reprint {
+    /// The content hash of the bytes printed.
+    pub hash: ContentHash,
+    /// Their raw print.
+    pub print: RawPrint,
+}
+
+impl Reprint {
+    /// Gives `record` the print if it has the hash; true when that changed it.
+    pub fn apply(&self, record: &mut RecordState) -> bool {
+        if record.hash != self.hash || record.print == Some(self.print) {
+            return false;
+        }
+        record.print = Some(self.print);
+        true
+    }
 }
 
 /// One chunk of deletes: the tombstones of the records removed.
@@ -105,15 +131,22 @@ impl Acked<PageCommit> {
                 seen,
                 epoch,
                 versions: Vec::new(),
+                reprints: Vec::new(),
             },
         })
+    }
+
+    /// Adds the reprints of the page's unchanged records (see [`PageCommit::reprints`]).
+    pub fn with_reprints(mut self, reprints: Vec<(i64, Reprint)>) -> Self {
+        self.batch.reprints = reprints;
+        self
     }
 
     /// Adds the stored versions of the page's records; a version that does
     /// not describe the version its record commits (another id or hash) is
     /// left out, so a stored version is always one the sink acknowledged.
     pub fn with_versions(mut self, versions: Vec<(i64, StoredVersion)>) -> Self {
-        let committed: super::IdMap<crate::hash::ContentHash> = self
+        let committed: super::IdMap<ContentHash> = self
             .batch
             .records
             .iter()
@@ -156,7 +189,6 @@ mod tests {
     use chrono::DateTime;
 
     use super::*;
-    use crate::hash::ContentHash;
 
     fn record(n: u8) -> RecordState {
         RecordState {
@@ -165,6 +197,7 @@ mod tests {
             seen_epoch: 1,
             generation: 0,
             seq: 1,
+            print: None,
         }
     }
 

@@ -7,7 +7,8 @@
 //!   (18 bytes; flipping the sign bit makes byte order equal numeric order),
 //!   where `n` is the record id for a tombstone and the bucket `id >> 5` for records;
 //! * record state: `flags u8 | hash [16] | updated_at i64 BE (only if flags bit 0) |
-//!   seen_epoch varint | generation varint | seq varint (only if flags bit 1)`;
+//!   seen_epoch varint | generation varint | seq varint (only if flags bit 1) |
+//!   raw print u64 LE (only if flags bit 2, layout 4)`;
 //!   a tombstone is the same head (bit 0 only) followed by `generation varint`;
 //!   layout 1 never set bit 1, so its records read as change sequence 0;
 //! * records are stored 32 ids to a bucket (`id >> 5`): the bucket value is
@@ -37,7 +38,7 @@
 //!   and every layout 1 or 2 value reads as before.
 
 use crate::event::Op;
-use crate::hash::{ContentHash, FieldHash};
+use crate::hash::{ContentHash, FieldHash, RawPrint};
 use crate::stream::{Resource, StreamKey};
 
 use super::{Intent, RecordState, Tombstone};
@@ -73,7 +74,9 @@ const FLAG_SEQ: u8 = 1 << 1;
 const FLAG_OP: u8 = 1 << 2;
 const FLAG_PREVIOUS: u8 = 1 << 3;
 const FLAG_REPLAY: u8 = 1 << 4;
-const RECORD_FLAGS: u8 = FLAG_UPDATED_AT | FLAG_SEQ;
+/// Record states only (layout 4): the record's raw print follows, 8 bytes LE.
+const FLAG_PRINT: u8 = 1 << 2;
+const RECORD_FLAGS: u8 = FLAG_UPDATED_AT | FLAG_SEQ | FLAG_PRINT;
 const INTENT_FLAGS: u8 = FLAG_UPDATED_AT | FLAG_SEQ | FLAG_OP | FLAG_PREVIOUS | FLAG_REPLAY;
 
 /// The 9-byte key of a stream in the `streams` tree.
@@ -215,12 +218,18 @@ impl Bucket {
 }
 
 fn put_record(out: &mut Vec<u8>, state: &RecordState) {
-    let extra = if state.seq != 0 { FLAG_SEQ } else { 0 };
+    let mut extra = if state.seq != 0 { FLAG_SEQ } else { 0 };
+    if state.print.is_some() {
+        extra |= FLAG_PRINT;
+    }
     put_head(out, state.hash, state.updated_at, extra);
     put_varint(out, state.seen_epoch);
     put_varint(out, u64::from(state.generation));
     if state.seq != 0 {
         put_varint(out, state.seq);
+    }
+    if let Some(print) = state.print {
+        out.extend_from_slice(&print.0.to_le_bytes());
     }
 }
 
@@ -298,12 +307,18 @@ fn read_record(r: &mut Reader<'_>) -> Option<RecordState> {
     } else {
         0
     };
+    let print = if flags & FLAG_PRINT != 0 {
+        Some(RawPrint(u64::from_le_bytes(r.take::<8>()?)))
+    } else {
+        None
+    };
     Some(RecordState {
         hash,
         updated_at,
         seen_epoch,
         generation,
         seq,
+        print,
     })
 }
 
@@ -610,6 +625,7 @@ mod tests {
                 seen_epoch: 12,
                 generation: 0,
                 seq: 0,
+                print: Some(RawPrint(slot as u64 * 0x9e37_79b9)),
             });
         }
         bucket
@@ -627,6 +643,7 @@ mod tests {
             seen_epoch: 300,
             generation: 2,
             seq: 5,
+            print: None,
         });
         bucket.slots[2] = Some(RecordState {
             hash: hash(0xcd),
@@ -634,13 +651,23 @@ mod tests {
             seen_epoch: 1,
             generation: 0,
             seq: 0,
+            print: None,
+        });
+        // Layout 4: a raw print behind flag bit 2, after the sequence.
+        bucket.slots[4] = Some(RecordState {
+            hash: hash(0xef),
+            updated_at: None,
+            seen_epoch: 1,
+            generation: 0,
+            seq: 3,
+            print: Some(RawPrint(0x0102_0304_0506_0708)),
         });
         let mut out = Vec::new();
         encode_bucket(&bucket, &mut out);
         assert_eq!(
             hex::encode(&out),
             concat!(
-                "00000006",
+                "00000016",
                 "03",
                 "abababababababababababababababab",
                 "0102030405060708",
@@ -651,6 +678,12 @@ mod tests {
                 "cdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcd",
                 "01",
                 "00",
+                "06",
+                "efefefefefefefefefefefefefefefef",
+                "01",
+                "00",
+                "03",
+                "0807060504030201",
             )
         );
         let intent = Intent {
@@ -692,10 +725,10 @@ mod tests {
     }
 
     #[test]
-    fn a_typical_record_takes_27_bytes_in_its_bucket() {
+    fn a_typical_record_takes_35_bytes_in_its_bucket() {
         let mut out = Vec::new();
         encode_bucket(&full_bucket(), &mut out);
-        assert_eq!(out.len(), 4 + 32 * 27);
+        assert_eq!(out.len(), 4 + 32 * 35);
         assert_eq!(bucket_len(&out), Some(32));
     }
 
@@ -719,6 +752,7 @@ mod tests {
             seen_epoch: 300,
             generation: 2,
             seq: 7,
+            print: Some(RawPrint(7)),
         });
         let mut out = Vec::new();
         encode_bucket(&bucket, &mut out);
@@ -822,12 +856,13 @@ mod tests {
             seen_epoch in any::<u64>(),
             generation in any::<u32>(),
             seq in any::<u64>(),
+            print in any::<Option<u64>>(),
             op in proptest::option::of(proptest::sample::select(vec![Op::Create, Op::Update, Op::Snapshot, Op::Delete])),
             previous in any::<Option<[u8; 16]>>(),
             replay in any::<Option<[u8; 16]>>(),
         ) {
             let mut out = Vec::new();
-            let record = RecordState { hash: ContentHash(h), updated_at, seen_epoch, generation, seq };
+            let record = RecordState { hash: ContentHash(h), updated_at, seen_epoch, generation, seq, print: print.map(RawPrint) };
             let mut bucket = full_bucket();
             bucket.slots[(seen_epoch % 32) as usize] = None;
             bucket.slots[(generation % 32) as usize] = Some(record);

@@ -931,6 +931,7 @@ mod tests {
             seen_epoch: n % 5,
             generation: (n % 4) as u32,
             seq: n * 1_000_003,
+            print: None,
         }
     }
 

@@ -19,12 +19,17 @@
 //! lists every record again). Pure logic, no I/O.
 
 use super::codec::{self, Bucket, BUCKET_SLOTS};
-use super::{IdMap, RecordState};
+use super::{IdMap, RecordState, Reprint};
 
 /// Marked buckets of one stream beyond which the store writes the marks (at
 /// 32 ids a bucket, about 4 million records; the map takes about 20 bytes a
 /// bucket, so under 3 MiB).
 pub(crate) const MAX_MARKED_BUCKETS: usize = 1 << 17;
+
+/// Reprints of one stream beyond which the store writes the marks (about
+/// 40 bytes each, so under 3 MiB): after an upgrade from a layout without
+/// prints, a full sweep reprints every record it lists.
+pub(crate) const MAX_REPRINTS: usize = 1 << 16;
 
 /// The ids of one stream seen by sweeps of one epoch, not yet written.
 #[derive(Debug)]
@@ -32,6 +37,8 @@ pub(crate) struct SeenMarks {
     epoch: u64,
     /// Bucket number to the mask of its marked slots (bit `slot`).
     slots: IdMap<u32>,
+    /// Marked ids whose listed bytes print otherwise than their held record.
+    reprints: IdMap<Reprint>,
 }
 
 impl SeenMarks {
@@ -40,6 +47,7 @@ impl SeenMarks {
         Self {
             epoch,
             slots: IdMap::default(),
+            reprints: IdMap::default(),
         }
     }
 
@@ -54,8 +62,26 @@ impl SeenMarks {
         *self.slots.entry(bucket).or_default() |= 1 << slot;
     }
 
+    /// Marks `id` as seen, and to be given `reprint`'s print if its held
+    /// record still has `reprint`'s hash when the mark is written.
+    pub(crate) fn mark_reprinted(&mut self, id: i64, reprint: Reprint) {
+        self.mark(id);
+        self.reprints.insert(id, reprint);
+    }
+
+    /// Reprints held.
+    pub(crate) fn reprint_count(&self) -> usize {
+        self.reprints.len()
+    }
+
+    /// The reprints held, by id (a copy, for a write that does not hold the marks).
+    pub(crate) fn reprints(&self) -> IdMap<Reprint> {
+        self.reprints.clone()
+    }
+
     /// Clears the mark of `id`, if any.
     pub(crate) fn unmark(&mut self, id: i64) {
+        self.reprints.remove(&id);
         let (bucket, slot) = codec::bucket_of(id);
         if let Some(mask) = self.slots.get_mut(&bucket) {
             *mask &= !(1 << slot);
@@ -98,10 +124,18 @@ impl SeenMarks {
         out
     }
 
-    /// Sets `epoch` (a [`SeenMarks::epoch`]) on the records of `bucket`'s
-    /// slots in `mask` (one of [`SeenMarks::in_key_order`]); true when one of
-    /// them changed (else the bucket need not be written).
-    pub(crate) fn apply(epoch: u64, mask: u32, bucket: &mut Bucket) -> bool {
+    /// Sets `epoch` (a [`SeenMarks::epoch`]) on the records of bucket
+    /// `number`'s slots in `mask` (one of [`SeenMarks::in_key_order`]), and
+    /// the print of each of their `reprints` whose hash the record still has
+    /// (a print made from bytes of another hash would be a lie); true when
+    /// one of them changed (else the bucket need not be written).
+    pub(crate) fn apply(
+        epoch: u64,
+        number: i64,
+        mask: u32,
+        reprints: &IdMap<Reprint>,
+        bucket: &mut Bucket,
+    ) -> bool {
         let mut changed = false;
         for slot in 0..BUCKET_SLOTS {
             if mask & (1 << slot) == 0 {
@@ -112,6 +146,8 @@ impl SeenMarks {
                     record.seen_epoch = epoch;
                     changed = true;
                 }
+                let reprint = reprints.get(&codec::id_in_bucket(number, slot));
+                changed |= reprint.is_some_and(|reprint| reprint.apply(record));
             }
         }
         changed
@@ -121,7 +157,7 @@ impl SeenMarks {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hash::ContentHash;
+    use crate::hash::{ContentHash, RawPrint};
 
     fn record(byte: u8, seen_epoch: u64) -> RecordState {
         RecordState {
@@ -130,6 +166,7 @@ mod tests {
             seen_epoch,
             generation: 0,
             seq: 1,
+            print: None,
         }
     }
 
@@ -147,6 +184,56 @@ mod tests {
         marks.unmark(32);
         assert_eq!(marks.overlay(33, record(1, 2)), record(1, 2));
         assert_eq!(marks.buckets(), 1, "a bucket without marks is dropped");
+    }
+
+    #[test]
+    fn a_reprint_sets_its_print_only_on_a_record_that_still_has_its_hash() {
+        let mut marks = SeenMarks::new(5);
+        let print = |n| Some(RawPrint(n));
+        // Bucket 1 holds ids 32..64.
+        for (id, byte) in [(33, 1), (34, 9), (36, 4)] {
+            marks.mark_reprinted(
+                id,
+                Reprint {
+                    hash: ContentHash([byte; 16]),
+                    print: RawPrint(id as u64),
+                },
+            );
+        }
+        marks.mark_reprinted(
+            37,
+            Reprint {
+                hash: ContentHash([5; 16]),
+                print: RawPrint(37),
+            },
+        );
+        marks.unmark(37);
+        assert_eq!(marks.reprint_count(), 3);
+        let mut bucket = Bucket::default();
+        bucket.slots[1] = Some(record(1, 5));
+        bucket.slots[2] = Some(record(2, 5));
+        bucket.slots[4] = Some(record(4, 5));
+        bucket.slots[5] = Some(record(5, 5));
+        let (number, mask) = marks.in_key_order()[0];
+        assert_eq!(number, 1);
+        assert!(SeenMarks::apply(
+            5,
+            number,
+            mask,
+            &marks.reprints(),
+            &mut bucket
+        ));
+        let prints: Vec<_> = bucket.slots[1..6]
+            .iter()
+            .map(|r| r.and_then(|r| r.print))
+            .collect();
+        // 33 has the reprint's hash; 34 another (its content changed since);
+        // 36 has it; 37 was unmarked; 35 holds nothing.
+        assert_eq!(prints, vec![print(33), None, None, print(36), None]);
+        assert!(
+            !SeenMarks::apply(5, number, mask, &marks.reprints(), &mut bucket),
+            "written twice, nothing changes"
+        );
     }
 
     #[test]
@@ -179,7 +266,8 @@ mod tests {
         bucket.slots[2] = Some(record(2, 5));
         bucket.slots[4] = Some(record(4, 1));
         let mask = marks.in_key_order()[0].1;
-        assert!(SeenMarks::apply(marks.epoch(), mask, &mut bucket));
+        let none = IdMap::default();
+        assert!(SeenMarks::apply(marks.epoch(), 0, mask, &none, &mut bucket));
         assert_eq!(bucket.slots[1], Some(record(1, 5)));
         assert_eq!(bucket.slots[2], Some(record(2, 5)));
         assert_eq!(bucket.slots[3], None, "a mark creates no record");
@@ -189,7 +277,7 @@ mod tests {
             "an unmarked record keeps its epoch"
         );
         assert!(
-            !SeenMarks::apply(marks.epoch(), mask, &mut bucket),
+            !SeenMarks::apply(marks.epoch(), 0, mask, &none, &mut bucket),
             "written twice, nothing changes"
         );
     }

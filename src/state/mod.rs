@@ -21,10 +21,10 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 use crate::event::Op;
-use crate::hash::{ContentHash, FieldHashes};
+use crate::hash::{ContentHash, FieldHashes, RawPrint, PRINT_SECRET_LEN};
 use crate::stream::StreamKey;
 
-pub use acked::{Acked, DeleteCommit, Delivery, NotAcknowledged, PageCommit};
+pub use acked::{Acked, DeleteCommit, Delivery, NotAcknowledged, PageCommit, Reprint};
 pub use ledger::{StreamLedger, SweepKind, SweepPlan};
 pub use sled_store::{SledStore, StreamDump, CACHE_CAPACITY, LAYOUT_MARKER, LAYOUT_VERSION};
 
@@ -156,6 +156,11 @@ pub struct RecordState {
     /// Change sequence of the last committed change (part of the event id:
     /// a record flipping A→B→A→B gets a new id for the second A→B).
     pub seq: u64,
+    /// The raw print of the bytes `hash` was computed from, under the store's
+    /// print key when they were listed (`hash/print.rs`); None when unknown.
+    /// It belongs to this store's secret, so exports leave it out.
+    #[serde(skip)]
+    pub print: Option<RawPrint>,
 }
 
 /// A journalled publish: the change may have reached the sink, it is not committed yet.
@@ -362,6 +367,12 @@ pub trait StateStore: Send + Sync + 'static {
     ) -> Result<Vec<Option<StoredVersion>>, StateError> {
         let _ = key;
         Ok(vec![None; ids.len()])
+    }
+    /// The secret the store's raw prints are keyed with ([`crate::hash::PrintKey`]);
+    /// None when the store keeps no prints, and then every listed record is
+    /// compared by its canonical parse.
+    fn print_secret(&self) -> Option<[u8; PRINT_SECRET_LEN]> {
+        None
     }
     /// One atomic batch: remove the acknowledged deletes' records, their
     /// dead-letter marks, stored versions and any intents for these ids,

@@ -24,13 +24,13 @@ use super::codec::{
 };
 use super::fresh::{FreshOffset, FreshRecords, FreshStream};
 use super::journal::{JournalPlan, StreamJournal};
-use super::marks::{SeenMarks, MAX_MARKED_BUCKETS};
+use super::marks::{SeenMarks, MAX_MARKED_BUCKETS, MAX_REPRINTS};
 use super::{
-    Acked, DeadLetter, DeleteCommit, IdMap, IdSet, Intent, PageCommit, RecordState, StateError,
-    StateStore, StoredVersion, StreamState, Tombstone,
+    Acked, DeadLetter, DeleteCommit, IdMap, IdSet, Intent, PageCommit, RecordState, Reprint,
+    StateError, StateStore, StoredVersion, StreamState, Tombstone,
 };
 use crate::crashpoint;
-use crate::hash::FieldHashes;
+use crate::hash::{FieldHashes, PRINT_SECRET_LEN};
 use crate::stream::StreamKey;
 
 /// The on-disk layout this build writes.
@@ -44,7 +44,13 @@ use crate::stream::StreamKey;
 /// in place too (their records simply have no stored version). An older build
 /// refuses a layout 3 store: it would neither remove a deleted record's
 /// version nor a forgotten stream's.
-pub const LAYOUT_VERSION: u32 = 3;
+///
+/// Layout 4 added a record's raw print (`hash/print.rs`) behind a new flag
+/// bit of its state, and the store's print secret in `meta`; layout 1-3
+/// records read as having no print, so those stores are upgraded in place
+/// and their records gain prints as they change. An older build refuses a
+/// layout 4 store: it would read a record with a print as malformed.
+pub const LAYOUT_VERSION: u32 = 4;
 /// The oldest layout this build reads (and upgrades to [`LAYOUT_VERSION`]).
 const OLDEST_READABLE_LAYOUT: u32 = 1;
 
@@ -54,6 +60,8 @@ fn readable(version: u32) -> bool {
 
 /// Meta key holding the layout version (u32 big-endian).
 const META_LAYOUT_VERSION: &[u8] = b"layout_version";
+/// Meta key holding the secret raw prints are keyed with (layout 4).
+const META_PRINT_SECRET: &[u8] = b"print_secret";
 /// Meta key holding the name and version of the build that created the store.
 const META_CREATED_BY: &[u8] = b"created_by";
 
@@ -372,6 +380,9 @@ pub struct SledStore {
     durable_commits: bool,
     /// Field shapes known to be stored, by stream and shape id (read or written).
     shapes: Mutex<HashMap<(StreamKey, u64), Shape>>,
+    /// The secret raw prints are keyed with (meta `print_secret`, drawn at
+    /// random the first time a build that keeps prints opens the store).
+    print_secret: [u8; PRINT_SECRET_LEN],
     path: PathBuf,
     /// Keeps a temporary store's directory alive; dropped after the db.
     _temp_dir: Option<TempDir>,
@@ -445,7 +456,7 @@ impl SledStore {
             .open()
             .map_err(|e| map_sled_error(path, e))?;
         let tree = |name: &str| db.open_tree(name).map_err(|e| map_sled_error(path, e));
-        let store = SledStore {
+        let mut store = SledStore {
             meta: tree("meta")?,
             streams: tree("streams")?,
             catalog: tree("catalog")?,
@@ -461,10 +472,12 @@ impl SledStore {
             },
             durable_commits,
             shapes: Mutex::new(HashMap::new()),
+            print_secret: [0; PRINT_SECRET_LEN],
             path: path.to_path_buf(),
             _temp_dir: temp_dir,
         };
         store.check_layout(marker.is_some())?;
+        store.print_secret = store.load_print_secret()?;
         if durable_commits {
             tracing::warn!(path = %path.display(),
                 "every commit is written and synced as it is made (VCDC_DURABLE_COMMITS, a crash-test mode)");
@@ -539,6 +552,25 @@ impl SledStore {
                 Ok(())
             }
         }
+    }
+
+    /// The store's print secret, drawn and written (durably) when it has none.
+    /// A print made under another secret never matches, so a lost or
+    /// unreadable secret costs full sweeps their shortcut, never a change.
+    fn load_print_secret(&self) -> Result<[u8; PRINT_SECRET_LEN], StateError> {
+        if let Some(bytes) = self.meta.get(META_PRINT_SECRET).map_err(|e| self.err(e))? {
+            if let Ok(secret) = <[u8; PRINT_SECRET_LEN]>::try_from(bytes.as_ref()) {
+                return Ok(secret);
+            }
+            tracing::warn!(path = %self.path.display(),
+                "the state store's print secret is malformed; drawing a new one");
+        }
+        let secret: [u8; PRINT_SECRET_LEN] = rand::random();
+        self.meta
+            .insert(META_PRINT_SECRET, &secret)
+            .map_err(|e| self.err(e))?;
+        self.db.flush().map_err(|e| self.err(e))?;
+        Ok(secret)
     }
 
     fn err(&self, e: sled::Error) -> StateError {
@@ -629,9 +661,9 @@ impl SledStore {
         // every stream take it. The marks stay meanwhile (reads overlay them
         // over buckets written or not), and nothing changes them: they
         // change only under the journal lock, which the caller holds.
-        let Some((epoch, pending)) = lock(&self.marks)
+        let Some((epoch, pending, reprints)) = lock(&self.marks)
             .get(&stream)
-            .map(|marks| (marks.epoch(), marks.in_key_order()))
+            .map(|marks| (marks.epoch(), marks.in_key_order(), marks.reprints()))
         else {
             return Ok(());
         };
@@ -641,7 +673,7 @@ impl SledStore {
                 // Nothing is staged for the stream (settled above, and no
                 // commit stages without the journal lock): this is sled's.
                 let mut bucket = self.load_bucket(stream, number)?;
-                if SeenMarks::apply(epoch, mask, &mut bucket) {
+                if SeenMarks::apply(epoch, number, mask, &reprints, &mut bucket) {
                     buckets.insert(number, Box::new(bucket));
                 }
             }
@@ -970,7 +1002,14 @@ impl SledStore {
     /// [`MAX_MARKED_BUCKETS`], or when every commit must be durable. The
     /// caller holds the stream's journal lock and has written any marks of
     /// another epoch.
-    fn mark_seen(&self, key: StreamKey, seen: &[i64], committed: &IdSet, epoch: u64) -> bool {
+    fn mark_seen(
+        &self,
+        key: StreamKey,
+        seen: &[i64],
+        reprints: &[(i64, Reprint)],
+        committed: &IdSet,
+        epoch: u64,
+    ) -> bool {
         let mut seen = seen.iter().filter(|id| !committed.contains(id)).peekable();
         let mut marks = lock(&self.marks);
         if let Some(stream_marks) = marks.get_mut(&key) {
@@ -979,10 +1018,15 @@ impl SledStore {
         if seen.peek().is_some() {
             let stream_marks = marks.entry(key).or_insert_with(|| SeenMarks::new(epoch));
             seen.for_each(|id| stream_marks.mark(*id));
+            for (id, reprint) in reprints.iter().filter(|(id, _)| !committed.contains(id)) {
+                stream_marks.mark_reprinted(*id, *reprint);
+            }
         }
         marks.get(&key).is_some_and(|stream_marks| {
             stream_marks.buckets() > 0
-                && (self.durable_commits || stream_marks.buckets() >= MAX_MARKED_BUCKETS)
+                && (self.durable_commits
+                    || stream_marks.buckets() >= MAX_MARKED_BUCKETS
+                    || stream_marks.reprint_count() >= MAX_REPRINTS)
         })
     }
 
@@ -1386,6 +1430,10 @@ impl SledStore {
 }
 
 impl StateStore for SledStore {
+    fn print_secret(&self) -> Option<[u8; PRINT_SECRET_LEN]> {
+        Some(self.print_secret)
+    }
+
     fn load_stream(&self, key: StreamKey) -> Result<StreamState, StateError> {
         match self
             .streams
@@ -1548,6 +1596,7 @@ impl StateStore for SledStore {
             seen,
             epoch,
             versions,
+            reprints,
         } = page.batch();
         let epoch = *epoch;
         let journal = self.journal(key)?;
@@ -1607,8 +1656,15 @@ impl StateStore for SledStore {
                 .zip(seen_absent)
                 .map(|(id, absent)| absent || committed.contains(id))
                 .collect();
+            let reprints: IdMap<Reprint> = reprints.iter().copied().collect();
             for (id, record) in seen.iter().zip(self.read_records(key, seen, &skip)?) {
-                if let Some(mut record) = record.filter(|r| r.seen_epoch != epoch) {
+                let Some(mut record) = record else {
+                    continue;
+                };
+                let reprinted = reprints
+                    .get(id)
+                    .is_some_and(|reprint| reprint.apply(&mut record));
+                if reprinted || record.seen_epoch != epoch {
                     record.seen_epoch = epoch;
                     fresh.push((*id, record));
                 }
@@ -1621,7 +1677,7 @@ impl StateStore for SledStore {
                 }
                 dirty.insert(codec::bucket_of(*id).0);
             }
-            write_marks = self.mark_seen(key, seen, &committed, epoch);
+            write_marks = self.mark_seen(key, seen, reprints, &committed, epoch);
         }
         Self::write_buckets(&mut batch, key, &buckets, &dirty);
         if added > 0 {
@@ -2063,6 +2119,7 @@ mod tests {
             seen_epoch,
             generation: 0,
             seq: u64::from(byte),
+            print: None,
         }
     }
 
@@ -2749,6 +2806,50 @@ mod tests {
         );
     }
 
+    /// Each of `ids` as sled holds it, after the stream's marks are written.
+    fn settled(store: &SledStore, ids: &[i64]) -> Vec<Option<RecordState>> {
+        store.settle(VOUCHERS).unwrap();
+        store.get_records(VOUCHERS, ids).unwrap()
+    }
+
+    #[test]
+    fn a_reprint_is_kept_only_by_a_record_that_still_has_its_hash_on_either_write_path() {
+        use crate::hash::RawPrint;
+        let reprint = |id: i64, byte: u8| {
+            let reprint = Reprint {
+                hash: h(byte),
+                print: RawPrint(id as u64 * 1000),
+            };
+            (id, reprint)
+        };
+        // 1 and 2 reprinted with their own hash, 3 with a hash it does not
+        // have (its content changed since the print was made).
+        let reprints = vec![reprint(1, 1), reprint(2, 2), reprint(3, 0x33)];
+        let seen_page = |epoch| {
+            Acked::page(Vec::new(), Vec::new(), vec![1, 2, 3], epoch)
+                .unwrap()
+                .with_reprints(reprints.clone())
+        };
+        let expected = |epoch| {
+            let printed = |id: u8| RecordState {
+                print: Some(RawPrint(u64::from(id) * 1000)),
+                ..record(id, epoch)
+            };
+            vec![Some(printed(1)), Some(printed(2)), Some(record(3, epoch))]
+        };
+        // A stream that held records when the process first touched it:
+        // the reprints ride with the seen marks.
+        let store = store_holding(&[1, 2, 3]);
+        store.commit_page(VOUCHERS, &seen_page(2)).unwrap();
+        assert_eq!(settled(&store, &[1, 2, 3]), expected(2));
+        // A stream that started empty in this process: they are staged.
+        let store = store_with(NEVER);
+        let commits: Vec<_> = (1..=3).map(|id| (id, record(id as u8, 1))).collect();
+        store.commit_records(VOUCHERS, &commits, &[], 1).unwrap();
+        store.commit_page(VOUCHERS, &seen_page(2)).unwrap();
+        assert_eq!(settled(&store, &[1, 2, 3]), expected(2));
+    }
+
     #[test]
     fn seen_marks_of_an_older_epoch_are_written_before_a_commit_of_a_new_one() {
         let store = store_holding(&[1, 2]);
@@ -3275,6 +3376,7 @@ mod tests {
                 seen_epoch: 3,
                 generation: 2,
                 seq: 0,
+                print: None,
             }
         );
         let intents = store.pending_intents(VOUCHERS).unwrap();
@@ -3295,11 +3397,11 @@ mod tests {
         );
         assert_eq!(
             std::fs::read_to_string(path.join(LAYOUT_MARKER)).unwrap(),
-            "layout_version = 3\n"
+            "layout_version = 4\n"
         );
         assert_eq!(store.get_versions(VOUCHERS, &[1]).unwrap(), vec![None]);
         drop(store);
-        assert!(reopen(&path).is_ok(), "reopens as layout 3");
+        assert!(reopen(&path).is_ok(), "reopens as layout 4");
     }
 
     #[test]
@@ -3322,7 +3424,7 @@ mod tests {
         let store = reopen(&path).unwrap();
         assert_eq!(
             std::fs::read_to_string(path.join(LAYOUT_MARKER)).unwrap(),
-            "layout_version = 3\n"
+            "layout_version = 4\n"
         );
         assert_eq!(
             store.get_records(VOUCHERS, &[1]).unwrap()[0],
@@ -3502,7 +3604,7 @@ mod tests {
         assert_eq!(
             err.to_string(),
             format!(
-                "state store {} was written by layout version 7; this build reads version 3 \
+                "state store {} was written by layout version 7; this build reads version 4 \
                  (upgrade voucher-cdc or point state.path elsewhere)",
                 path.display()
             )
@@ -3638,6 +3740,7 @@ mod tests {
             seen_epoch: (id % 7) as u64,
             generation: (id % 3) as u32,
             seq: id as u64 + 1,
+            print: None,
         }
     }
 

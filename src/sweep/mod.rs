@@ -48,7 +48,7 @@ use crate::config::OnRecordError;
 use crate::crashpoint;
 use crate::diff::SweepMode;
 use crate::event::{self, Event, EventType, Op};
-use crate::hash::{HashError, IgnoreKeys};
+use crate::hash::{HashError, IgnoreKeys, PrintKey};
 use crate::planner::history::ChangeHistory;
 use crate::schema::SchemaBase;
 use crate::sinks::Sink;
@@ -61,7 +61,7 @@ use crate::stream::{Resource, StreamKey};
 use crate::telemetry::metric;
 use crate::upstream::client::UpstreamClient;
 use crate::upstream::error::UpstreamError;
-use crate::upstream::page::{ListQuery, Page, Record};
+use crate::upstream::page::{Hashing, ListQuery, Page, Record};
 use crate::upstream::pagination::page_limit;
 use crate::upstream::ratelimit::Lane;
 
@@ -375,10 +375,21 @@ impl Sweeper {
         } else {
             Lane::Poll
         };
-        let hashing = Arc::new(self.settings.ignore_keys.clone());
+        // Listed records are hashed as their page is read (one pass), and
+        // printed where the store keeps prints. A full sweep of a known
+        // stream (or a replay) only delimits them there: most are unchanged,
+        // and a print equal to the stored one gives the content hash
+        // without a parse (`page::plan_page`).
+        let hashing = Hashing {
+            ignore: Arc::new(self.settings.ignore_keys.clone()),
+            prints: self
+                .store
+                .print_secret()
+                .map(|secret| PrintKey::new(&secret, &self.settings.ignore_keys)),
+            defer: plan.full && plan.mode != SweepMode::FirstSync,
+        };
         let mut run = SweepRun {
             sweeper: self,
-            // Listed records are hashed as their page is read (one pass).
             client: self.client.in_lane(lane).hashing(hashing),
             plan: &plan,
             cancel,
@@ -635,10 +646,11 @@ impl SweepRun<'_> {
         if self.plan.mode == SweepMode::FirstSync {
             self.report.history.merge(page.history(listed_at));
         }
-        let seen = if self.plan.full {
-            page.unchanged
+        // Seen marks and the prints they carry: a full sweep's alone.
+        let (seen, reprints) = if self.plan.full {
+            (page.unchanged, page.reprints)
         } else {
-            Vec::new()
+            (Vec::new(), Vec::new())
         };
         let changed = !page.changes.is_empty();
         let acked = if changed {
@@ -680,9 +692,11 @@ impl SweepRun<'_> {
             self.crash_point(crashpoint::names::AFTER_PUBLISH);
             self.report.announced += announced;
             let commits = page.changes.iter().map(|c| c.commit(epoch)).collect();
-            Acked::page(commits, deliveries, seen, epoch)?.with_versions(versions.stored)
+            Acked::page(commits, deliveries, seen, epoch)?
+                .with_versions(versions.stored)
+                .with_reprints(reprints)
         } else {
-            Acked::seen_only(seen, epoch)
+            Acked::seen_only(seen, epoch).with_reprints(reprints)
         };
         // Every event of the page is acknowledged: now, and only now, commit.
         sweeper.store.commit_page(stream, &acked)?;

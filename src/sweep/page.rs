@@ -20,7 +20,9 @@ use crate::event::{
 use crate::hash::{content_hash, ContentHash, IgnoreKeys};
 use crate::planner::history::ChangeHistory;
 use crate::schema::SchemaBase;
-use crate::state::{id_map_with_capacity, IdMap, Intent, RecordState, SweepPlan, Tombstone};
+use crate::state::{
+    id_map_with_capacity, IdMap, Intent, RecordState, Reprint, SweepPlan, Tombstone,
+};
 use crate::stream::StreamKey;
 use crate::upstream::page::Record;
 
@@ -122,6 +124,7 @@ impl PendingChange<'_> {
                 seen_epoch: epoch,
                 generation: self.change.generation,
                 seq: self.change.seq,
+                print: self.record.print,
             },
         )
     }
@@ -134,6 +137,9 @@ pub struct PagePlan<'a> {
     pub changes: Vec<PendingChange<'a>>,
     /// Ids of records listed unchanged.
     pub unchanged: Vec<i64>,
+    /// Unchanged records whose print differs from their committed state's
+    /// (none stored, or one of older bytes): the print to store with it.
+    pub reprints: Vec<(i64, Reprint)>,
 }
 
 impl PagePlan<'_> {
@@ -174,20 +180,23 @@ pub fn plan_page<'a>(
 ) -> Result<PagePlan<'a>, SweepError> {
     let mut page = PagePlan::default();
     for record in dedupe(records) {
-        let hash = record
-            .content_hash(ignore)
-            .map_err(|source| SweepError::Hash {
-                record_id: record.id,
-                source,
-            })?;
-        match plan_change(
-            &known.known(record.id),
-            hash,
-            plan.mode,
-            plan.replay,
-            plan.epoch,
-        ) {
-            None => page.unchanged.push(record.id),
+        let known = known.known(record.id);
+        let hash = match printed_hash(record, known.committed.as_ref()) {
+            Some(hash) => hash,
+            None => record
+                .content_hash(ignore)
+                .map_err(|source| SweepError::Hash {
+                    record_id: record.id,
+                    source,
+                })?,
+        };
+        match plan_change(&known, hash, plan.mode, plan.replay, plan.epoch) {
+            None => {
+                page.unchanged.push(record.id);
+                if let Some(reprint) = reprint(record, hash, known.committed.as_ref()) {
+                    page.reprints.push((record.id, reprint));
+                }
+            }
             Some(change) => page.changes.push(PendingChange {
                 record,
                 hash,
@@ -197,6 +206,22 @@ pub fn plan_page<'a>(
         }
     }
     Ok(page)
+}
+
+/// The content hash of `record` without a parse: the committed one, when
+/// the committed state was made from the same bytes (equal raw prints, made
+/// under the same key: the store's secret and the same ignore keys).
+fn printed_hash(record: &Record, committed: Option<&RecordState>) -> Option<ContentHash> {
+    let committed = committed?;
+    (record.print.is_some() && committed.print == record.print).then_some(committed.hash)
+}
+
+/// The print to store for an unchanged `record` whose content hash is
+/// `hash`: its own, when the committed state has that hash and another print.
+fn reprint(record: &Record, hash: ContentHash, committed: Option<&RecordState>) -> Option<Reprint> {
+    let print = record.print?;
+    let committed = committed?;
+    (committed.hash == hash && committed.print != Some(print)).then_some(Reprint { hash, print })
 }
 
 /// A record a full sweep will delete, with the last version possibly published.
@@ -373,7 +398,97 @@ mod tests {
             seen_epoch: 2,
             generation: 0,
             seq,
+            print: None,
         }
+    }
+
+    #[test]
+    fn a_record_printed_as_its_committed_state_takes_that_hash_and_any_other_is_parsed() {
+        let key = crate::hash::PrintKey::new(b"page-plan-secret", &ignore());
+        let printed = |r: Record| Record {
+            print: Some(key.print(r.raw.as_bytes())),
+            ..r
+        };
+        let listed = [
+            printed(record(1, "a")),
+            printed(record(2, "b")),
+            record(3, "c"),
+        ];
+        // Each committed state claims a hash no parse of its record gives:
+        // only a record that skipped the parse is planned as unchanged.
+        let stale = ContentHash([0xee; 16]);
+        let mut known = KnownRecords::default();
+        for r in &listed {
+            let state = RecordState {
+                hash: stale,
+                ..committed(r, 1)
+            };
+            known.committed.insert(r.id, state);
+        }
+        // 1 was committed from these very bytes; 2 from other bytes (the
+        // print of "B"); 3 has no print.
+        let one = known.committed.get_mut(&1).unwrap();
+        one.print = listed[0].print;
+        let other = printed(record(2, "B"));
+        known.committed.get_mut(&2).unwrap().print = other.print;
+        let mut full = synced();
+        full.full = true;
+        let page = plan_page(&listed, &known, &full, &ignore()).unwrap();
+        assert_eq!(page.unchanged, vec![1]);
+        assert!(page.reprints.is_empty(), "1 already has its print");
+        let changed: Vec<(i64, ContentHash)> =
+            page.changes.iter().map(|c| (c.record.id, c.hash)).collect();
+        let parsed = |r: &Record| content_hash(r.raw.get(), &ignore()).unwrap();
+        assert_eq!(
+            changed,
+            vec![(2, parsed(&listed[1])), (3, parsed(&listed[2]))]
+        );
+        // A change commits the print of the bytes its hash was computed from.
+        assert_eq!(page.changes[0].commit(3).1.print, listed[1].print);
+        assert_eq!(page.changes[1].commit(3).1.print, None);
+    }
+
+    #[test]
+    fn an_unchanged_record_printed_otherwise_than_its_committed_state_is_reprinted() {
+        let key = crate::hash::PrintKey::new(b"page-plan-secret", &ignore());
+        let printed = |r: Record| Record {
+            print: Some(key.print(r.raw.as_bytes())),
+            ..r
+        };
+        // 1: committed without a print; 2: with the print of other bytes of
+        // the same content (a touch moved its updated_at, which the hash
+        // ignores); 3: with its own print; 4: without a print of its own.
+        let touched = |id: i64| {
+            let at = "2027-02-02T00:00:00Z";
+            let raw = format!(r#"{{"id":{id},"title":"b","updated_at":"{at}"}}"#);
+            Record::new(id, Some(at.into()), RawJson::from_string(raw).unwrap())
+        };
+        let listed = [
+            printed(record(1, "a")),
+            printed(touched(2)),
+            printed(record(3, "c")),
+            record(4, "d"),
+        ];
+        let mut known = KnownRecords::default();
+        for r in &listed {
+            known.committed.insert(r.id, committed(r, 1));
+        }
+        known.committed.get_mut(&2).unwrap().print = printed(record(2, "b")).print;
+        known.committed.get_mut(&3).unwrap().print = listed[2].print;
+        let page = plan_page(&listed, &known, &synced(), &ignore()).unwrap();
+        assert!(page.changes.is_empty());
+        let parsed = |r: &Record| content_hash(r.raw.get(), &ignore()).unwrap();
+        let expected: Vec<(i64, Reprint)> = listed[..2]
+            .iter()
+            .map(|r| {
+                let reprint = Reprint {
+                    hash: parsed(r),
+                    print: r.print.unwrap(),
+                };
+                (r.id, reprint)
+            })
+            .collect();
+        assert_eq!(page.reprints, expected);
     }
 
     #[test]
@@ -428,6 +543,7 @@ mod tests {
         let now = vec![record(1, "a"), record(2, "B")];
         let page = plan_page(&now, &known, &synced(), &ignore()).unwrap();
         assert_eq!(page.unchanged, vec![1]);
+        assert!(page.reprints.is_empty(), "1 already has its print");
         assert_eq!(page.changes.len(), 1);
         let change = &page.changes[0];
         assert_eq!(change.change.op, Op::Update);

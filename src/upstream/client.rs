@@ -19,11 +19,11 @@ use url::Url;
 use super::body_budget::{BodyBudget, BodyShare, DEFAULT_BODY_BUDGET_BYTES};
 use super::error::UpstreamError;
 use super::page::{
-    decode_page, decode_page_hashed, decode_record_in, DecodedPage, ListQuery, Page, Record,
+    decode_page, decode_page_hashed, decode_record_in, DecodedPage, Hashing, ListQuery, Page,
+    Record,
 };
 use super::ratelimit::{Lane, RateBudget};
 use super::tls::{refused_certificate, TrustRoots};
-use crate::hash::IgnoreKeys;
 use crate::stream::{Resource, TenantId};
 use crate::telemetry::metric;
 
@@ -108,8 +108,8 @@ pub struct UpstreamClient {
     inner: Arc<Inner>,
     /// The budget lane this client's requests wait in.
     lane: Lane,
-    /// Listed records are hashed without these keys as their page is read.
-    hash_without: Option<Arc<IgnoreKeys>>,
+    /// How listed records are hashed as their page is read.
+    hashing: Option<Hashing>,
 }
 
 /// What every clone of a client shares.
@@ -274,7 +274,7 @@ impl UpstreamClient {
                 bodies,
             }),
             lane: Lane::default(),
-            hash_without: None,
+            hashing: None,
         })
     }
 
@@ -296,11 +296,11 @@ impl UpstreamClient {
         }
     }
 
-    /// The same client, hashing every listed record (without `ignore`) in
-    /// the pass that reads its page (see [`decode_page_hashed`]).
-    pub fn hashing(&self, ignore: Arc<IgnoreKeys>) -> Self {
+    /// The same client, hashing (or printing) every listed record as
+    /// `hashing` says in the pass that reads its page (see [`decode_page_hashed`]).
+    pub fn hashing(&self, hashing: Hashing) -> Self {
         Self {
-            hash_without: Some(ignore),
+            hashing: Some(hashing),
             ..self.clone()
         }
     }
@@ -353,9 +353,9 @@ impl UpstreamClient {
                 skipped_records,
             },
             share,
-        ) = match &self.hash_without {
-            Some(ignore) => {
-                self.execute_holding(&call, |body| decode_page_hashed(body, ignore))
+        ) = match &self.hashing {
+            Some(hashing) => {
+                self.execute_holding(&call, |body| decode_page_hashed(body, hashing))
                     .await?
             }
             None => self.execute_holding(&call, decode_page).await?,

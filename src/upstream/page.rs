@@ -13,14 +13,20 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use super::body_budget::BodyShare;
-use crate::hash::{content_hash, content_hash_at, ContentHash, HashError, IgnoreKeys, ValueSpan};
+use crate::hash::{
+    content_hash, content_hash_at, ContentHash, HashError, IgnoreKeys, PrintKey, RawPrint,
+    RecordHead as CanonicalHead, ValueSpan,
+};
 use crate::json::{skip_ws, value_end, walk_object, Visited};
 use crate::stream::Resource;
 
 /// The text of one JSON value, byte for byte as the API sent it: a slice of
 /// the response body it came in (no copy), or text checked when built.
-/// Always valid UTF-8 JSON: the field stays private to this module, whose
+/// Always valid UTF-8: the field stays private to this module, whose
 /// constructors keep that promise, because [`RawJson::get`] relies on it.
+/// Valid JSON too, except the record of a page decoded with
+/// [`Hashing::defer`]: the sweep checks it (a canonical parse, or a raw
+/// print equal to one made from bytes that passed one) before it is used.
 #[derive(Clone, PartialEq, Eq)]
 pub struct RawJson(Bytes);
 
@@ -74,6 +80,33 @@ pub struct Record {
     pub raw: RawJson,
     /// Its content hash, when the pass that read the page computed it.
     pub hashed: Option<Prehashed>,
+    /// The raw print of `raw`, when the listing was read with a print key
+    /// ([`Hashing::prints`]).
+    pub print: Option<RawPrint>,
+}
+
+/// How a listing's records are hashed by the pass that reads their page.
+#[derive(Debug, Clone)]
+pub struct Hashing {
+    /// `poll.ignore_keys`: the content hash leaves these out.
+    pub ignore: Arc<IgnoreKeys>,
+    /// The store's print key: every record gets its raw print.
+    pub prints: Option<PrintKey>,
+    /// Leave the content hash to the sweep, which computes it only for
+    /// records whose print differs from the stored one (full sweeps, where
+    /// almost every record is unchanged). Needs `prints`.
+    pub defer: bool,
+}
+
+impl Hashing {
+    /// Content hashes without `ignore`, computed as the page is read; no prints.
+    pub fn eager(ignore: Arc<IgnoreKeys>) -> Hashing {
+        Hashing {
+            ignore,
+            prints: None,
+            defer: false,
+        }
+    }
 }
 
 /// A record's content hash computed while its page was read, and the keys
@@ -94,6 +127,7 @@ impl Record {
             updated_at,
             raw,
             hashed: None,
+            print: None,
         }
     }
 
@@ -268,15 +302,33 @@ pub fn decode_page(body: &Bytes) -> Result<DecodedPage, String> {
 /// record the canonical form refuses, a repeated envelope key) is decoded by
 /// [`decode_page`] instead, which words every error and skip as before; its
 /// records are hashed later.
-pub fn decode_page_hashed(body: &Bytes, ignore: &Arc<IgnoreKeys>) -> Result<DecodedPage, String> {
-    match decode_plain_page(body, ignore) {
-        Some(page) => Ok(page),
-        None => decode_page(body),
+///
+/// With [`Hashing::defer`], a plain page's records are only delimited (the
+/// top-level members walked, their values skipped) and left unhashed: their
+/// bytes are checked as JSON by the canonical parse the sweep runs when a
+/// print differs, or were checked when the stored print was made from the
+/// same bytes. Every record gets its raw print when [`Hashing::prints`] is set.
+pub fn decode_page_hashed(body: &Bytes, hashing: &Hashing) -> Result<DecodedPage, String> {
+    let deferred = if hashing.defer && hashing.prints.is_some() {
+        decode_plain_page(body, &hashing.ignore, true)
+    } else {
+        None
+    };
+    let mut decoded = match deferred.or_else(|| decode_plain_page(body, &hashing.ignore, false)) {
+        Some(page) => page,
+        None => decode_page(body)?,
+    };
+    if let Some(key) = hashing.prints {
+        for record in &mut decoded.page.records {
+            record.print = Some(key.print(record.raw.as_bytes()));
+        }
     }
+    Ok(decoded)
 }
 
-/// The one-pass decoding of [`decode_page_hashed`]; None for anything unusual.
-fn decode_plain_page(body: &Bytes, ignore: &Arc<IgnoreKeys>) -> Option<DecodedPage> {
+/// The one-pass decoding of [`decode_page_hashed`] (records delimited
+/// without hashing when `defer`); None for anything unusual.
+fn decode_plain_page(body: &Bytes, ignore: &Arc<IgnoreKeys>, defer: bool) -> Option<DecodedPage> {
     let text = std::str::from_utf8(body).ok()?;
     let bytes = text.as_bytes();
     let mut records = None;
@@ -286,7 +338,7 @@ fn decode_plain_page(body: &Bytes, ignore: &Arc<IgnoreKeys>) -> Option<DecodedPa
     let end = walk_object(bytes, start, |key, pos| {
         let end = match key {
             b"data" if records.is_none() => {
-                let (list, end) = decode_plain_records(body, text, pos, ignore)?;
+                let (list, end) = decode_plain_records(body, text, pos, ignore, defer)?;
                 records = Some(list);
                 end
             }
@@ -324,12 +376,14 @@ fn decode_plain_page(body: &Bytes, ignore: &Arc<IgnoreKeys>) -> Option<DecodedPa
 }
 
 /// The records of the `data` array starting at `start`, each read and hashed
-/// in one pass, and the end of the array; None when any is unusual.
+/// in one pass (only delimited when `defer`), and the end of the array; None
+/// when any is unusual.
 fn decode_plain_records(
     body: &Bytes,
     text: &str,
     start: usize,
     ignore: &Arc<IgnoreKeys>,
+    defer: bool,
 ) -> Option<(Vec<Record>, usize)> {
     let bytes = text.as_bytes();
     if bytes.get(start) != Some(&b'[') {
@@ -344,7 +398,16 @@ fn decode_plain_records(
         if bytes.get(pos) != Some(&b'{') {
             return None;
         }
-        let (hash, head) = content_hash_at(text, pos, ignore).ok()?;
+        let (hashed, head) = if defer {
+            (None, delimit_record(bytes, pos)?)
+        } else {
+            let (hash, head) = content_hash_at(text, pos, ignore).ok()?;
+            let hashed = Prehashed {
+                ignore: ignore.clone(),
+                hash,
+            };
+            (Some(hashed), head)
+        };
         if !head.plain {
             return None;
         }
@@ -357,10 +420,8 @@ fn decode_plain_records(
             id,
             updated_at,
             raw: RawJson(body.slice(pos..head.end)),
-            hashed: Some(Prehashed {
-                ignore: ignore.clone(),
-                hash,
-            }),
+            hashed,
+            print: None,
         });
         pos = skip_ws(bytes, head.end);
         match bytes.get(pos) {
@@ -369,6 +430,35 @@ fn decode_plain_records(
             _ => return None,
         }
     }
+}
+
+/// Where the record object starting at `start` ends and its top-level `id`
+/// and `updated_at` spans, found by walking its top-level members and
+/// skipping their values without checking them; None when it is not an
+/// object of plain members (an escaped key) or holds `id` or `updated_at`
+/// twice. For valid JSON the spans and the end are the canonical parse's.
+fn delimit_record(bytes: &[u8], start: usize) -> Option<CanonicalHead> {
+    let mut id = None;
+    let mut updated_at = None;
+    let end = walk_object(bytes, start, |key, value_start| {
+        let value_end = value_end(bytes, value_start)?;
+        let slot = match key {
+            b"id" => &mut id,
+            b"updated_at" => &mut updated_at,
+            _ => return Some(Visited::Until(value_end)),
+        };
+        if slot.is_some() {
+            return None;
+        }
+        *slot = Some(value_start..value_end);
+        Some(Visited::Until(value_end))
+    })?;
+    Some(CanonicalHead {
+        end,
+        id,
+        updated_at,
+        plain: true,
+    })
 }
 
 /// A record's `id` when it is an integer that fits in i64 (else the record
@@ -481,7 +571,8 @@ mod tests {
         let body = Bytes::from_static(body);
         let ignore = Arc::new(IgnoreKeys::new(["updated_at"]));
         let serde = decode_page(&body);
-        let one_pass = decode_page_hashed(&body, &ignore);
+        let one_pass = decode_page_hashed(&body, &Hashing::eager(ignore.clone()));
+        check_deferred(&body, &ignore, &serde);
         match (&serde, &one_pass) {
             (Ok(serde), Ok(one_pass)) => {
                 assert_eq!(summary(serde), summary(one_pass));
@@ -500,6 +591,90 @@ mod tests {
             _ => panic!("decodings disagree: {serde:?} / {one_pass:?}"),
         }
         serde
+    }
+
+    const SECRET: [u8; crate::hash::PRINT_SECRET_LEN] = *b"page-test-secret";
+
+    /// Decodes `body` with prints and deferred hashes, and checks it against
+    /// serde's decoding `serde`: the same page when serde reads it and every
+    /// record is valid; when serde refuses the body, a deferred page may be
+    /// read, but then one of its records fails its canonical parse (which
+    /// the sweep runs on every record whose print it does not know), so the
+    /// sweep fails as it would have. Every record carries its print.
+    fn check_deferred(body: &Bytes, ignore: &Arc<IgnoreKeys>, serde: &Result<DecodedPage, String>) {
+        let key = PrintKey::new(&SECRET, ignore);
+        let hashing = Hashing {
+            ignore: ignore.clone(),
+            prints: Some(key),
+            defer: true,
+        };
+        let deferred = decode_page_hashed(body, &hashing);
+        if let Ok(page) = &deferred {
+            for record in &page.page.records {
+                assert_eq!(record.print, Some(key.print(record.raw.as_bytes())));
+            }
+        }
+        match (serde, &deferred) {
+            (Ok(serde), Ok(deferred)) => {
+                let all_valid = serde
+                    .page
+                    .records
+                    .iter()
+                    .all(|r| content_hash(r.raw.get(), ignore).is_ok());
+                if all_valid {
+                    assert_eq!(summary(serde), summary(deferred));
+                }
+            }
+            (Err(_), Ok(deferred)) => assert!(
+                deferred
+                    .page
+                    .records
+                    .iter()
+                    .any(|r| content_hash(r.raw.get(), ignore).is_err()),
+                "a body serde refuses was read whole by the deferred decoding: {deferred:?}"
+            ),
+            (Err(serde), Err(deferred)) => assert_eq!(serde, deferred),
+            (Ok(_), Err(deferred)) => panic!("the deferred decoding refused a page: {deferred}"),
+        }
+    }
+
+    #[test]
+    fn a_deferred_page_is_delimited_unhashed_and_printed() {
+        let body = Bytes::from_static(
+            br#"{"data":[{"title":"B","id":2,"updated_at":"2024-01-01T00:00:00Z","n":{"b":"}","a":[2]}},
+            {"id":3,"s":"\"{"}],"next_cursor":null,"server_time":"2024-01-02T03:04:06Z"}"#,
+        );
+        let ignore = Arc::new(IgnoreKeys::new(["updated_at"]));
+        let key = PrintKey::new(&SECRET, &ignore);
+        let hashing = Hashing {
+            ignore: ignore.clone(),
+            prints: Some(key),
+            defer: true,
+        };
+        let page = decode_page_hashed(&body, &hashing).unwrap().page;
+        let ids: Vec<i64> = page.records.iter().map(|r| r.id).collect();
+        assert_eq!(ids, [2, 3]);
+        assert_eq!(page.records[1].raw.get(), r#"{"id":3,"s":"\"{"}"#);
+        for record in &page.records {
+            assert!(record.hashed.is_none(), "deferred: no content hash yet");
+            assert_eq!(record.print, Some(key.print(record.raw.as_bytes())));
+        }
+        // Without `defer` the same page is hashed in the pass, and printed too.
+        let eager = Hashing {
+            defer: false,
+            ..hashing
+        };
+        for record in &decode_page_hashed(&body, &eager).unwrap().page.records {
+            let pre = record.hashed.as_ref().expect("hashed in the one pass");
+            assert_eq!(pre.hash, content_hash(record.raw.get(), &ignore).unwrap());
+            assert_eq!(record.print, Some(key.print(record.raw.as_bytes())));
+        }
+    }
+
+    #[test]
+    fn a_deferred_page_with_an_invalid_record_leaves_it_to_fail_its_parse() {
+        let body = br#"{"data":[{"id":1,"x":tru},{"id":2}],"next_cursor":null,"server_time":"2024-01-02T03:04:06Z"}"#;
+        assert!(decode(body).is_err());
     }
 
     #[test]
@@ -617,7 +792,9 @@ mod tests {
             {"id":3} ] , "server_time":"2024-01-02T03:04:06Z" } "#,
         );
         let ignore = Arc::new(IgnoreKeys::new(["updated_at"]));
-        let page = decode_page_hashed(&body, &ignore).unwrap().page;
+        let page = decode_page_hashed(&body, &Hashing::eager(ignore.clone()))
+            .unwrap()
+            .page;
         assert_eq!(page.records.len(), 2);
         for record in &page.records {
             let pre = record.hashed.as_ref().expect("hashed in the one pass");
