@@ -50,8 +50,8 @@ fn a_minimal_config_gets_every_documented_default() {
     assert_eq!(cfg.poll.ignore_keys, vec!["updated_at".to_string()]);
     assert_eq!(cfg.poll.max_delete_fraction, 0.5);
     assert_eq!(cfg.state.path.to_str(), Some("./data/state"));
-    assert_eq!(cfg.state.cache_capacity_mib, 4);
-    assert_eq!(cfg.state.cache_bytes(), 4 << 20);
+    assert_eq!(cfg.state.cache_capacity_mib, 6);
+    assert_eq!(cfg.state.cache_bytes(), 6 << 20);
     assert_eq!(cfg.sink.kind(), SinkKind::Nats);
     assert_eq!(
         cfg.admin.listen,
