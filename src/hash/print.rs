@@ -15,9 +15,11 @@
 //! The key ([`PrintKey`]) mixes a random secret of the state store with
 //! everything the content hash depends on besides the bytes (the canonical
 //! form's version and `poll.ignore_keys`): a print made under other ignore
-//! keys never matches, and nobody without the store's secret can make two
-//! records share a print. Two different records share a print with
-//! probability 2^-64. Pure functions, no I/O.
+//! keys never matches. Two records nobody chose to collide share a print
+//! with probability 2^-64; seeded xxh3 is not a MAC, so a print is trusted
+//! only for a record its page left unhashed, in a full sweep (an edit moves
+//! `updated_at`, and incremental sweeps hash what they list in the read
+//! pass). See docs/state.md, "Raw prints". Pure functions, no I/O.
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 

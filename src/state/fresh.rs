@@ -546,7 +546,7 @@ impl FreshRecords {
         let at = self.bytes.len();
         self.bytes.push(0);
         codec::append_record(&mut self.bytes, record);
-        // A record state encodes in at most 1 + 16 + 8 + 3 * 10 bytes.
+        // A record state encodes in at most 1 + 16 + 8 + 3 * 10 + 8 bytes.
         self.bytes[at] = u8::try_from(self.bytes.len() - at - 1).unwrap_or(u8::MAX);
         self.len += 1;
     }

@@ -104,7 +104,9 @@ impl SeenMarks {
             .is_some_and(|mask| mask & (1 << slot) != 0)
     }
 
-    /// `record`, the held record of `id`, as it reads with the marks written.
+    /// `record`, the held record of `id`, with the epoch it has once the
+    /// marks are written (not the print of a reprint: a read without it only
+    /// costs the next full sweep a parse of that record).
     pub(crate) fn overlay(&self, id: i64, record: RecordState) -> RecordState {
         if self.is_marked(id) {
             RecordState {

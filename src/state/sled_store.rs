@@ -1000,8 +1000,9 @@ impl SledStore {
     /// (the ones held get it as their `seen_epoch`), in memory, and clears
     /// the marks of `committed` ids (a commit's record carries its own
     /// `seen_epoch`, which a later write of an earlier mark must not replace).
-    /// True when the marks must be written once the page is staged: past
-    /// [`MAX_MARKED_BUCKETS`], or when every commit must be durable. The
+    /// `reprints` (of `seen` ids) ride with their marks. True when the marks
+    /// must be written once the page is staged: past [`MAX_MARKED_BUCKETS`]
+    /// or [`MAX_REPRINTS`], or when every commit must be durable. The
     /// caller holds the stream's journal lock and has written any marks of
     /// another epoch.
     fn mark_seen(

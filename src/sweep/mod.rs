@@ -377,9 +377,9 @@ impl Sweeper {
         };
         // Listed records are hashed as their page is read (one pass), and
         // printed where the store keeps prints. A full sweep of a known
-        // stream (or a replay) only delimits them there: most are unchanged,
-        // and a print equal to the stored one gives the content hash
-        // without a parse (`page::plan_page`).
+        // stream (or a replay of all of it) only delimits them there: most
+        // are unchanged, and a print equal to the stored one gives the
+        // content hash without a parse (`page::plan_page`).
         let hashing = Hashing {
             ignore: Arc::new(self.settings.ignore_keys.clone()),
             prints: self

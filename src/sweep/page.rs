@@ -181,7 +181,7 @@ pub fn plan_page<'a>(
     let mut page = PagePlan::default();
     for record in dedupe(records) {
         let known = known.known(record.id);
-        let hash = match printed_hash(record, known.committed.as_ref()) {
+        let hash = match printed_hash(record, known.committed.as_ref(), ignore) {
             Some(hash) => hash,
             None => record
                 .content_hash(ignore)
@@ -208,10 +208,24 @@ pub fn plan_page<'a>(
     Ok(page)
 }
 
-/// The content hash of `record` without a parse: the committed one, when
-/// the committed state was made from the same bytes (equal raw prints, made
-/// under the same key: the store's secret and the same ignore keys).
-fn printed_hash(record: &Record, committed: Option<&RecordState>) -> Option<ContentHash> {
+/// The content hash of a record its page left unhashed (a full sweep's
+/// deferred decoding), without a parse: the committed one, when the
+/// committed state was made from the same bytes (equal raw prints, made
+/// under the same key: the store's secret and the same ignore keys). None
+/// for a record hashed when its page was read: that hash is the record's
+/// own, and a print is only ever trusted where nothing else was computed.
+fn printed_hash(
+    record: &Record,
+    committed: Option<&RecordState>,
+    ignore: &IgnoreKeys,
+) -> Option<ContentHash> {
+    if record
+        .hashed
+        .as_ref()
+        .is_some_and(|pre| *pre.ignore == *ignore)
+    {
+        return None;
+    }
     let committed = committed?;
     (record.print.is_some() && committed.print == record.print).then_some(committed.hash)
 }
@@ -409,10 +423,19 @@ mod tests {
             print: Some(key.print(r.raw.as_bytes())),
             ..r
         };
+        // 4 was hashed when its page was read (incremental sweeps do): its
+        // own hash counts, whatever its print.
+        let hashed = |r: Record| {
+            let hash = content_hash(r.raw.get(), &ignore()).unwrap();
+            let ignore = std::sync::Arc::new(ignore());
+            let hashed = Some(crate::upstream::page::Prehashed { ignore, hash });
+            Record { hashed, ..r }
+        };
         let listed = [
             printed(record(1, "a")),
             printed(record(2, "b")),
             record(3, "c"),
+            hashed(printed(record(4, "d"))),
         ];
         // Each committed state claims a hash no parse of its record gives:
         // only a record that skipped the parse is planned as unchanged.
@@ -431,6 +454,7 @@ mod tests {
         one.print = listed[0].print;
         let other = printed(record(2, "B"));
         known.committed.get_mut(&2).unwrap().print = other.print;
+        known.committed.get_mut(&4).unwrap().print = listed[3].print;
         let mut full = synced();
         full.full = true;
         let page = plan_page(&listed, &known, &full, &ignore()).unwrap();
@@ -441,7 +465,11 @@ mod tests {
         let parsed = |r: &Record| content_hash(r.raw.get(), &ignore()).unwrap();
         assert_eq!(
             changed,
-            vec![(2, parsed(&listed[1])), (3, parsed(&listed[2]))]
+            vec![
+                (2, parsed(&listed[1])),
+                (3, parsed(&listed[2])),
+                (4, parsed(&listed[3]))
+            ]
         );
         // A change commits the print of the bytes its hash was computed from.
         assert_eq!(page.changes[0].commit(3).1.print, listed[1].print);
