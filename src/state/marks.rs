@@ -193,7 +193,7 @@ mod tests {
         let mut marks = SeenMarks::new(5);
         let print = |n| Some(RawPrint(n));
         // Bucket 1 holds ids 32..64.
-        for (id, byte) in [(33, 1), (34, 9), (36, 4)] {
+        for (id, byte) in [(33, 1), (34, 9), (36, 4), (37, 5)] {
             marks.mark_reprinted(
                 id,
                 Reprint {
@@ -202,13 +202,6 @@ mod tests {
                 },
             );
         }
-        marks.mark_reprinted(
-            37,
-            Reprint {
-                hash: ContentHash([5; 16]),
-                print: RawPrint(37),
-            },
-        );
         marks.unmark(37);
         assert_eq!(marks.reprint_count(), 3);
         let mut bucket = Bucket::default();

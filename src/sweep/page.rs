@@ -219,11 +219,7 @@ fn printed_hash(
     committed: Option<&RecordState>,
     ignore: &IgnoreKeys,
 ) -> Option<ContentHash> {
-    if record
-        .hashed
-        .as_ref()
-        .is_some_and(|pre| *pre.ignore == *ignore)
-    {
+    if record.prehashed(ignore).is_some() {
         return None;
     }
     let committed = committed?;
@@ -416,13 +412,17 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_record_printed_as_its_committed_state_takes_that_hash_and_any_other_is_parsed() {
+    /// `r` with its raw print under a test store's key.
+    fn printed(r: Record) -> Record {
         let key = crate::hash::PrintKey::new(b"page-plan-secret", &ignore());
-        let printed = |r: Record| Record {
+        Record {
             print: Some(key.print(r.raw.as_bytes())),
             ..r
-        };
+        }
+    }
+
+    #[test]
+    fn a_record_printed_as_its_committed_state_takes_that_hash_and_any_other_is_parsed() {
         // 4 was hashed when its page was read (incremental sweeps do): its
         // own hash counts, whatever its print.
         let hashed = |r: Record| {
@@ -455,9 +455,7 @@ mod tests {
         let other = printed(record(2, "B"));
         known.committed.get_mut(&2).unwrap().print = other.print;
         known.committed.get_mut(&4).unwrap().print = listed[3].print;
-        let mut full = synced();
-        full.full = true;
-        let page = plan_page(&listed, &known, &full, &ignore()).unwrap();
+        let page = plan_page(&listed, &known, &synced(), &ignore()).unwrap();
         assert_eq!(page.unchanged, vec![1]);
         assert!(page.reprints.is_empty(), "1 already has its print");
         let changed: Vec<(i64, ContentHash)> =
@@ -478,11 +476,6 @@ mod tests {
 
     #[test]
     fn an_unchanged_record_printed_otherwise_than_its_committed_state_is_reprinted() {
-        let key = crate::hash::PrintKey::new(b"page-plan-secret", &ignore());
-        let printed = |r: Record| Record {
-            print: Some(key.print(r.raw.as_bytes())),
-            ..r
-        };
         // 1: committed without a print; 2: with the print of other bytes of
         // the same content (a touch moved its updated_at, which the hash
         // ignores); 3: with its own print; 4: without a print of its own.
@@ -571,7 +564,7 @@ mod tests {
         let now = vec![record(1, "a"), record(2, "B")];
         let page = plan_page(&now, &known, &synced(), &ignore()).unwrap();
         assert_eq!(page.unchanged, vec![1]);
-        assert!(page.reprints.is_empty(), "1 already has its print");
+        assert!(page.reprints.is_empty(), "records listed without a print");
         assert_eq!(page.changes.len(), 1);
         let change = &page.changes[0];
         assert_eq!(change.change.op, Op::Update);

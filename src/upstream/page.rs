@@ -134,10 +134,19 @@ impl Record {
     /// Its content hash without `ignore`: the one computed when its page
     /// was read when that left out the same keys, else computed now.
     pub fn content_hash(&self, ignore: &IgnoreKeys) -> Result<ContentHash, HashError> {
-        match &self.hashed {
-            Some(pre) if *pre.ignore == *ignore => Ok(pre.hash),
-            _ => content_hash(self.raw.get(), ignore),
+        match self.prehashed(ignore) {
+            Some(hash) => Ok(hash),
+            None => content_hash(self.raw.get(), ignore),
         }
+    }
+
+    /// The content hash without `ignore` computed when its page was read,
+    /// if that pass left out the same keys.
+    pub fn prehashed(&self, ignore: &IgnoreKeys) -> Option<ContentHash> {
+        self.hashed
+            .as_ref()
+            .filter(|pre| *pre.ignore == *ignore)
+            .map(|pre| pre.hash)
     }
 }
 
@@ -474,28 +483,18 @@ fn plain_id(text: &str, span: ValueSpan) -> Option<i64> {
 /// not look like an object): the caller then asks serde.
 fn scan_head(text: &str) -> Option<RecordHead<'_>> {
     let bytes = text.as_bytes();
-    let mut head = RecordHead {
-        id: None,
-        updated_at: None,
+    let head = delimit_record(bytes, skip_ws(bytes, 0))?;
+    // Each field found must be one JSON value, as serde would read it.
+    let raw = |span: Option<ValueSpan>| match span {
+        None => Some(None),
+        Some(span) => serde_json::from_str::<&RawValue>(text.get(span)?)
+            .ok()
+            .map(Some),
     };
-    walk_object(bytes, skip_ws(bytes, 0), |key, value_start| {
-        let value_end = value_end(bytes, value_start)?;
-        let slot = match key {
-            b"id" => Some(&mut head.id),
-            b"updated_at" => Some(&mut head.updated_at),
-            _ => None,
-        };
-        if let Some(slot) = slot {
-            if slot.is_some() {
-                return None;
-            }
-            let value =
-                serde_json::from_str::<&RawValue>(text.get(value_start..value_end)?).ok()?;
-            *slot = Some(value);
-        }
-        Some(Visited::Until(value_end))
-    })?;
-    Some(head)
+    Some(RecordHead {
+        id: raw(head.id)?,
+        updated_at: raw(head.updated_at)?,
+    })
 }
 
 /// Reads `id` and `updated_at` from `raw`, a record inside `body`, and keeps
