@@ -530,59 +530,82 @@ impl FreshStream {
 /// its id (8 bytes), the length of its state and the state encoded as a
 /// bucket holds it (about 38 bytes a record, where an `(i64, RecordState)`
 /// takes 64).
+///
+/// The entries sit in chunks of [`FRESH_CHUNK`] bytes, never across two: a
+/// first sync's group grows to megabytes a stream, and one vector doubling
+/// to hold it held up to twice its bytes and copied them at every doubling,
+/// each copy leaving the old block to the allocator in the middle of the heap.
 #[derive(Debug, Default)]
 pub(crate) struct FreshRecords {
-    bytes: Vec<u8>,
+    chunks: Vec<Vec<u8>>,
     len: usize,
+    bytes: usize,
 }
 
-/// Where a record of a [`FreshRecords`] starts.
+/// Bytes of one chunk of a [`FreshRecords`] (below glibc's default mmap
+/// threshold, so a freed chunk goes back to the heap for the next group).
+pub(crate) const FRESH_CHUNK: usize = 64 << 10;
+
+/// The longest entry: an id, a length byte and at most 255 bytes of state.
+const MAX_ENTRY: usize = 8 + 1 + u8::MAX as usize;
+
+/// Where a record of a [`FreshRecords`] starts: its chunk times
+/// [`FRESH_CHUNK`] plus its place in the chunk.
 pub(crate) type FreshOffset = u32;
 
 impl FreshRecords {
     /// Appends a record.
     pub(crate) fn push(&mut self, id: i64, record: &RecordState) {
-        self.bytes.extend_from_slice(&id.to_le_bytes());
-        let at = self.bytes.len();
-        self.bytes.push(0);
-        codec::append_record(&mut self.bytes, record);
+        let room = self
+            .chunks
+            .last()
+            .is_some_and(|chunk| FRESH_CHUNK - chunk.len() >= MAX_ENTRY);
+        if !room {
+            self.chunks.push(Vec::with_capacity(FRESH_CHUNK));
+        }
+        let Some(chunk) = self.chunks.last_mut() else {
+            return;
+        };
+        let start = chunk.len();
+        chunk.extend_from_slice(&id.to_le_bytes());
+        let at = chunk.len();
+        chunk.push(0);
+        codec::append_record(chunk, record);
         // A record state encodes in at most 1 + 16 + 8 + 3 * 10 + 8 bytes.
-        self.bytes[at] = u8::try_from(self.bytes.len() - at - 1).unwrap_or(u8::MAX);
+        chunk[at] = u8::try_from(chunk.len() - at - 1).unwrap_or(u8::MAX);
+        self.bytes += chunk.len() - start;
         self.len += 1;
     }
 
     /// The records' offsets and ids, in commit order (nothing decoded).
     pub(crate) fn ids(&self) -> impl Iterator<Item = (FreshOffset, i64)> + '_ {
-        let mut at = 0usize;
-        std::iter::from_fn(move || {
-            let (id, _, next) = self.entry(at)?;
-            let offset = FreshOffset::try_from(at).ok()?;
-            at = next;
-            Some((offset, id))
+        self.chunks.iter().enumerate().flat_map(|(number, chunk)| {
+            let mut at = 0usize;
+            std::iter::from_fn(move || {
+                let (id, _, next) = entry(chunk, at)?;
+                let offset = FreshOffset::try_from(number * FRESH_CHUNK + at).ok()?;
+                at = next;
+                Some((offset, id))
+            })
         })
     }
 
     /// The record at `offset` (None when it does not decode).
     pub(crate) fn get(&self, offset: FreshOffset) -> Option<(i64, RecordState)> {
-        let (id, state, _) = self.entry(usize::try_from(offset).ok()?)?;
+        let offset = usize::try_from(offset).ok()?;
+        let chunk = self.chunks.get(offset / FRESH_CHUNK)?;
+        let (id, state, _) = entry(chunk, offset % FRESH_CHUNK)?;
         Some((id, codec::decode_record(state)?))
-    }
-
-    /// The id, the encoded state and the next entry's offset of the entry at `at`.
-    fn entry(&self, at: usize) -> Option<(i64, &[u8], usize)> {
-        let id = i64::from_le_bytes(self.bytes.get(at..at + 8)?.try_into().ok()?);
-        let len = usize::from(*self.bytes.get(at + 8)?);
-        let state = self.bytes.get(at + 9..at + 9 + len)?;
-        Some((id, state, at + 9 + len))
     }
 
     /// The offsets of the records sorted by their ids' buckets, each
     /// bucket's in commit order (16 bytes a record, while a group is written).
     pub(crate) fn by_bucket(&self) -> Vec<(i64, FreshOffset)> {
-        let mut order: Vec<(i64, FreshOffset)> = self
-            .ids()
-            .map(|(offset, id)| (codec::bucket_of(id).0, offset))
-            .collect();
+        let mut order: Vec<(i64, FreshOffset)> = Vec::with_capacity(self.len);
+        order.extend(
+            self.ids()
+                .map(|(offset, id)| (codec::bucket_of(id).0, offset)),
+        );
         order.sort_unstable();
         order
     }
@@ -595,8 +618,17 @@ impl FreshRecords {
 
     /// Bytes of the records.
     pub(crate) fn bytes(&self) -> usize {
-        self.bytes.len()
+        self.bytes
     }
+}
+
+/// The id, the encoded state and the next entry's place of the entry at
+/// `at` of one chunk.
+fn entry(chunk: &[u8], at: usize) -> Option<(i64, &[u8], usize)> {
+    let id = i64::from_le_bytes(chunk.get(at..at + 8)?.try_into().ok()?);
+    let len = usize::from(*chunk.get(at + 8)?);
+    let state = chunk.get(at + 9..at + 9 + len)?;
+    Some((id, state, at + 9 + len))
 }
 
 #[cfg(test)]
@@ -969,6 +1001,42 @@ mod tests {
             .ids()
             .all(|(offset, id)| records.get(offset).map(|(got, _)| got) == Some(id)));
         assert_eq!(records.get(u32::MAX), None);
+    }
+
+    #[test]
+    fn staged_records_of_many_chunks_read_back_whole_and_no_chunk_outgrows_its_size() {
+        let mut records = FreshRecords::default();
+        let count = 3 * FRESH_CHUNK / 40 + 17;
+        let id_of = |n: usize| (n as i64 * 7_919) % 1_000_003 - 400_000;
+        for n in 0..count {
+            records.push(id_of(n), &state(n as u64));
+        }
+        assert!(records.chunks.len() >= 3, "{} chunks", records.chunks.len());
+        assert!(records
+            .chunks
+            .iter()
+            .all(|chunk| chunk.len() <= FRESH_CHUNK && chunk.capacity() == FRESH_CHUNK));
+        let used: usize = records.chunks.iter().map(Vec::len).sum();
+        assert_eq!(records.bytes(), used);
+        let read: Vec<(i64, RecordState)> = records
+            .ids()
+            .map(|(offset, _)| records.get(offset).unwrap())
+            .collect();
+        assert_eq!(read.len(), count);
+        assert!(read
+            .iter()
+            .enumerate()
+            .all(|(n, got)| *got == (id_of(n), state(n as u64))));
+        let buckets: Vec<i64> = records.by_bucket().iter().map(|(b, _)| *b).collect();
+        assert_eq!(buckets.len(), count);
+        assert!(buckets.windows(2).all(|w| w[0] <= w[1]));
+        // An offset past a chunk's last entry, or in a chunk not held, is none.
+        let last = records.chunks[0].len();
+        assert_eq!(records.get(last as u32), None);
+        assert_eq!(
+            records.get((records.chunks.len() * FRESH_CHUNK) as u32),
+            None
+        );
     }
 
     proptest! {
