@@ -738,15 +738,14 @@ fn get_one(
         )
     };
     let record_id: i64 = id.parse().map_err(|_| not_found())?;
-    let rendered = state
+    let full = query::full_include_mask(resource);
+    let record = state
         .read_tenant(tenant)
-        .and_then(|data| data.rendered(resource, record_id))
+        .and_then(|data| data.form(resource, record_id, full))
         .ok_or_else(not_found)?;
-    let full = query::full_include_mask(resource) as usize;
-    let record = rendered.forms.get(full).unwrap_or(&rendered.forms[0]);
     let mut body = BytesMut::with_capacity(record.len() + 10);
     body.put_slice(b"{\"data\":");
-    body.put_slice(record);
+    body.put_slice(&record);
     body.put_u8(b'}');
     Ok(json_bytes(StatusCode::OK, body.freeze()))
 }

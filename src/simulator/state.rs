@@ -451,8 +451,7 @@ impl SimState {
         id: i64,
         mask: u8,
     ) -> Option<String> {
-        let rendered = read(self.tenant(tenant)?).rendered(resource, id)?;
-        let bytes = rendered.forms.get(mask as usize)?;
+        let bytes = read(self.tenant(tenant)?).form(resource, id, mask)?;
         String::from_utf8(bytes.to_vec()).ok()
     }
 

@@ -1,9 +1,15 @@
-//! The simulator's records for one tenant: typed values, their JSON
-//! pre-serialized in every `include` form at mutation time, and an ordered
-//! index by `(updated_at, id)` so a list page is a range scan plus a copy.
+//! The simulator's records for one tenant: typed values, their JSON in each
+//! `include` form, and an ordered index by `(updated_at, id)` so a list page
+//! is a range scan plus a copy.
+//!
+//! A voucher's forms are rendered on first request and kept (a client
+//! usually asks for one form only, and a catalog of millions must fit in
+//! memory); a category's are rendered when it is stored, since its
+//! `products` depend on other records. Any change stores a new [`Record`],
+//! so it drops the rendered forms of that record only.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
@@ -13,13 +19,48 @@ use rand::Rng;
 use super::cursor::SortKey;
 use super::data::{self, Purchased};
 use super::model::{CatalogCategory, CatalogVoucher, CategoryProduct};
+use super::query;
 use crate::stream::{Resource, TenantId};
 
-/// A record's JSON in each include form, indexed by include bit mask.
+/// Include forms a record can have: masks `0..FORMS` (vouchers use all four, categories two).
+const FORMS: usize = 4;
+
+/// One stored version of a record: its typed value and its JSON in each
+/// include form, rendered at most once (the value never changes; a change
+/// stores a new record).
 #[derive(Debug)]
-pub struct Rendered {
-    /// `forms[mask]` is the record with the relations of `mask` filled in.
-    pub forms: Box<[Bytes]>,
+pub struct Record<T> {
+    value: T,
+    /// `forms[mask]` is the record with the relations of `mask` filled in, once rendered.
+    forms: [OnceLock<Bytes>; FORMS],
+}
+
+impl<T> Record<T> {
+    /// A record whose forms are rendered on first request.
+    pub fn new(value: T) -> Self {
+        Self {
+            value,
+            forms: Default::default(),
+        }
+    }
+
+    /// A record with its forms rendered already, `forms[mask]` in mask order.
+    pub fn rendered(value: T, forms: Vec<Bytes>) -> Self {
+        let record = Self::new(value);
+        for (slot, form) in record.forms.iter().zip(forms) {
+            // The slots are fresh, so setting one cannot fail.
+            let _ = slot.set(form);
+        }
+        record
+    }
+
+    /// The record's JSON in form `mask`, rendered by `render` on first request.
+    pub fn form(&self, mask: u8, render: impl FnOnce(&T, u8) -> Bytes) -> Bytes {
+        match self.forms.get(usize::from(mask)) {
+            Some(slot) => slot.get_or_init(|| render(&self.value, mask)).clone(),
+            None => render(&self.value, mask),
+        }
+    }
 }
 
 /// The sort key of a timestamp: microseconds since the epoch.
@@ -27,17 +68,17 @@ pub fn micros(at: Option<DateTime<Utc>>) -> Option<i64> {
     at.map(|at| at.timestamp_micros())
 }
 
-/// One resource's records of one tenant.
+/// One resource's records of one tenant; the id map and the index share each record.
 #[derive(Debug)]
 pub struct Table<T> {
-    values: HashMap<i64, T>,
-    index: BTreeMap<SortKey, Arc<Rendered>>,
+    records: HashMap<i64, Arc<Record<T>>>,
+    index: BTreeMap<SortKey, Arc<Record<T>>>,
 }
 
 impl<T> Default for Table<T> {
     fn default() -> Self {
         Self {
-            values: HashMap::new(),
+            records: HashMap::new(),
             index: BTreeMap::new(),
         }
     }
@@ -66,20 +107,20 @@ impl<T: Stamped> Table<T> {
         (micros(value.stamp()), id)
     }
 
-    /// Stores a value with its rendered forms, replacing an older one.
-    pub fn put(&mut self, id: i64, value: T, rendered: Rendered) {
-        if let Some(old) = self.values.get(&id) {
-            self.index.remove(&Self::key(id, old));
+    /// Stores a record, replacing an older version (and its rendered forms).
+    pub fn put(&mut self, id: i64, record: Record<T>) {
+        let record = Arc::new(record);
+        if let Some(old) = self.records.insert(id, Arc::clone(&record)) {
+            self.index.remove(&Self::key(id, &old.value));
         }
-        self.index.insert(Self::key(id, &value), Arc::new(rendered));
-        self.values.insert(id, value);
+        self.index.insert(Self::key(id, &record.value), record);
     }
 
     /// Removes a record; false when it did not exist.
     pub fn remove(&mut self, id: i64) -> bool {
-        match self.values.remove(&id) {
+        match self.records.remove(&id) {
             Some(old) => {
-                self.index.remove(&Self::key(id, &old));
+                self.index.remove(&Self::key(id, &old.value));
                 true
             }
             None => false,
@@ -88,36 +129,42 @@ impl<T: Stamped> Table<T> {
 
     /// The typed value of a record.
     pub fn get(&self, id: i64) -> Option<&T> {
-        self.values.get(&id)
+        self.records.get(&id).map(|record| &record.value)
     }
 
-    /// The rendered forms of a record.
-    pub fn rendered(&self, id: i64) -> Option<&Arc<Rendered>> {
-        let value = self.values.get(&id)?;
-        self.index.get(&Self::key(id, value))
+    /// The stored version of a record.
+    pub fn record(&self, id: i64) -> Option<&Arc<Record<T>>> {
+        self.records.get(&id)
+    }
+
+    /// The typed values of all records, in no particular order.
+    pub fn values(&self) -> impl Iterator<Item = &T> {
+        self.records.values().map(|record| &record.value)
     }
 
     /// Ids of all records, ascending.
     pub fn ids(&self) -> Vec<i64> {
-        let mut ids: Vec<i64> = self.values.keys().copied().collect();
+        let mut ids: Vec<i64> = self.records.keys().copied().collect();
         ids.sort_unstable();
         ids
     }
 
     /// Number of records.
     pub fn len(&self) -> usize {
-        self.values.len()
+        self.records.len()
     }
 
     /// Up to `limit` records after `after` (exclusive) and at or after `from`
-    /// (inclusive), in `(updated_at, id)` order, as the bytes of form `mask`;
-    /// plus whether more follow. The last returned key is the next cursor.
+    /// (inclusive), in `(updated_at, id)` order, as the bytes of form `mask`
+    /// (rendered with `render` where not yet rendered); plus whether more
+    /// follow. The last returned key is the next cursor.
     pub fn page(
         &self,
         from: Option<SortKey>,
         after: Option<SortKey>,
         limit: usize,
         mask: u8,
+        render: impl Fn(&T, u8) -> Bytes,
     ) -> (Vec<(SortKey, Bytes)>, bool) {
         use std::ops::Bound;
         let lower = match (from, after) {
@@ -128,12 +175,8 @@ impl<T: Stamped> Table<T> {
         };
         let mut out = Vec::with_capacity(limit);
         let mut range = self.index.range((lower, Bound::Unbounded));
-        for (key, rendered) in range.by_ref().take(limit) {
-            let form = rendered
-                .forms
-                .get(mask as usize)
-                .unwrap_or(&rendered.forms[0]);
-            out.push((*key, form.clone()));
+        for (key, record) in range.by_ref().take(limit) {
+            out.push((*key, record.form(mask, &render)));
         }
         let more = range.next().is_some();
         (out, more)
@@ -165,8 +208,9 @@ pub struct TenantData {
 
 fn to_bytes<T: serde::Serialize>(value: &T) -> Bytes {
     // Serializing these plain structs to a Vec cannot fail (no maps with
-    // non-string keys, no failing Serialize impls).
-    Bytes::from(serde_json::to_vec(value).unwrap_or_default())
+    // non-string keys, no failing Serialize impls). The copy is exactly as
+    // long as the JSON (the Vec grew by doubling), as it is kept for long.
+    Bytes::copy_from_slice(&serde_json::to_vec(value).unwrap_or_default())
 }
 
 impl TenantData {
@@ -220,22 +264,19 @@ impl TenantData {
             oversize: HashMap::new(),
         };
         for value in voucher_values {
-            let rendered = tenant_data.render_voucher(&value);
-            tenant_data.vouchers.put(value.id, value, rendered);
+            tenant_data.vouchers.put(value.id, Record::new(value));
         }
         for value in category_values {
-            let rendered = tenant_data.render_category(&value);
-            tenant_data.categories.put(value.id, value, rendered);
+            tenant_data.store_category(value);
         }
         tenant_data
     }
 
-    /// Renders a category in its two forms; `products` are the vouchers that
-    /// link to it, ordered by sort_order then id.
-    pub fn render_category(&self, category: &CatalogCategory) -> Rendered {
+    /// Renders a category in its two forms (`forms[mask]`, bit 0 products);
+    /// `products` are the vouchers that link to it, ordered by sort_order then id.
+    pub fn render_category(&self, category: &CatalogCategory) -> Vec<Bytes> {
         let mut products: Vec<CategoryProduct> = self
             .vouchers
-            .values
             .values()
             .filter(|v| v.category_refs.iter().any(|r| r.id == category.id))
             .map(|v| CategoryProduct {
@@ -272,9 +313,15 @@ impl TenantData {
             products: Some(products),
             ..plain.clone()
         };
-        Rendered {
-            forms: vec![to_bytes(&plain), to_bytes(&full)].into_boxed_slice(),
-        }
+        vec![to_bytes(&plain), to_bytes(&full)]
+    }
+
+    /// Stores a category with both forms rendered (they depend on the vouchers,
+    /// so they are rendered now, while the vouchers are as they are now).
+    fn store_category(&mut self, category: CatalogCategory) {
+        let forms = self.render_category(&category);
+        self.categories
+            .put(category.id, Record::rendered(category, forms));
     }
 
     /// Re-renders the given categories after their products changed,
@@ -282,8 +329,7 @@ impl TenantData {
     pub fn refresh_categories(&mut self, ids: &[i64]) {
         for id in ids {
             if let Some(category) = self.categories.get(*id).cloned() {
-                let rendered = self.render_category(&category);
-                self.categories.put(*id, category, rendered);
+                self.store_category(category);
             }
         }
     }
@@ -294,8 +340,7 @@ impl TenantData {
         if let Some(old) = self.vouchers.get(value.id) {
             touched.extend(old.category_refs.iter().map(|r| r.id));
         }
-        let rendered = self.render_voucher(&value);
-        self.vouchers.put(value.id, value, rendered);
+        self.vouchers.put(value.id, Record::new(value));
         touched.sort_unstable();
         touched.dedup();
         self.refresh_categories(&touched);
@@ -304,11 +349,9 @@ impl TenantData {
     /// Stores a category and refreshes the category references of vouchers linking to it.
     pub fn put_category(&mut self, value: CatalogCategory) {
         let reference = data::category_ref(&value);
-        let rendered = self.render_category(&value);
-        self.categories.put(value.id, value, rendered);
+        self.store_category(value);
         let linked: Vec<CatalogVoucher> = self
             .vouchers
-            .values
             .values()
             .filter(|v| {
                 v.category_refs
@@ -325,8 +368,7 @@ impl TenantData {
             {
                 *r = reference.clone();
             }
-            let rendered = self.render_voucher(&voucher);
-            self.vouchers.put(voucher.id, voucher, rendered);
+            self.vouchers.put(voucher.id, Record::new(voucher));
         }
     }
 
@@ -348,15 +390,13 @@ impl TenantData {
                 }
                 let linked: Vec<CatalogVoucher> = self
                     .vouchers
-                    .values
                     .values()
                     .filter(|v| v.category_refs.iter().any(|r| r.id == id))
                     .cloned()
                     .collect();
                 for mut voucher in linked {
                     voucher.category_refs.retain(|r| r.id != id);
-                    let rendered = self.render_voucher(&voucher);
-                    self.vouchers.put(voucher.id, voucher, rendered);
+                    self.vouchers.put(voucher.id, Record::new(voucher));
                 }
                 true
             }
@@ -369,8 +409,7 @@ impl TenantData {
             Resource::Vouchers => {
                 let id = self.next_voucher_id;
                 self.next_voucher_id += 1;
-                let categories: Vec<CatalogCategory> =
-                    self.categories.values.values().cloned().collect();
+                let categories: Vec<CatalogCategory> = self.categories.values().cloned().collect();
                 let mut next_variant_id = self.next_variant_id;
                 let value = data::voucher(
                     rng,
@@ -464,8 +503,7 @@ impl TenantData {
                     return false;
                 };
                 value.updated_at = at;
-                let rendered = self.render_voucher(&value);
-                self.vouchers.put(id, value, rendered);
+                self.vouchers.put(id, Record::new(value));
                 true
             }
             Resource::Categories => {
@@ -473,8 +511,7 @@ impl TenantData {
                     return false;
                 };
                 value.updated_at = at;
-                let rendered = self.render_category(&value);
-                self.categories.put(id, value, rendered);
+                self.store_category(value);
                 true
             }
         }
@@ -496,15 +533,27 @@ impl TenantData {
         }
     }
 
-    /// The rendered forms of one record.
-    pub fn rendered(&self, resource: Resource, id: i64) -> Option<Arc<Rendered>> {
-        match resource {
-            Resource::Vouchers => self.vouchers.rendered(id).cloned(),
-            Resource::Categories => self.categories.rendered(id).cloned(),
+    /// One record's JSON in include form `mask` (rendered now when it was
+    /// not yet); None when the record does not exist or the resource has no
+    /// such form.
+    pub fn form(&self, resource: Resource, id: i64, mask: u8) -> Option<Bytes> {
+        if mask > query::full_include_mask(resource) {
+            return None;
         }
+        Some(match resource {
+            Resource::Vouchers => self
+                .vouchers
+                .record(id)?
+                .form(mask, |v, mask| self.voucher_form(v, mask)),
+            Resource::Categories => self
+                .categories
+                .record(id)?
+                .form(mask, |c, mask| self.category_form(c, mask)),
+        })
     }
 
-    /// One page of a resource (see [`Table::page`]).
+    /// One page of a resource (see [`Table::page`]); a mask the resource
+    /// has no form for lists the plain form.
     pub fn page(
         &self,
         resource: Resource,
@@ -513,10 +562,27 @@ impl TenantData {
         limit: usize,
         mask: u8,
     ) -> (Vec<(SortKey, Bytes)>, bool) {
+        let mask = if mask > query::full_include_mask(resource) {
+            0
+        } else {
+            mask
+        };
         match resource {
-            Resource::Vouchers => self.vouchers.page(from, after, limit, mask),
-            Resource::Categories => self.categories.page(from, after, limit, mask),
+            Resource::Vouchers => self.vouchers.page(from, after, limit, mask, |v, mask| {
+                self.voucher_form(v, mask)
+            }),
+            Resource::Categories => self.categories.page(from, after, limit, mask, |c, mask| {
+                self.category_form(c, mask)
+            }),
         }
+    }
+
+    /// A category's form `mask`. Categories are stored with their forms
+    /// rendered, so this only runs should one be missing.
+    fn category_form(&self, category: &CatalogCategory, mask: u8) -> Bytes {
+        let forms = self.render_category(category);
+        let products = usize::from(mask & 1);
+        forms.get(products).cloned().unwrap_or_default()
     }
 }
 
@@ -553,10 +619,11 @@ impl TenantData {
         self.oversize.get(&(resource, id)).copied()
     }
 
-    /// Renders a voucher in its four forms, padded when it is oversize.
-    pub fn render_voucher(&self, voucher: &CatalogVoucher) -> Rendered {
+    /// Renders a voucher in form `mask` (bit 0 categories, bit 1 variants),
+    /// padded when it is oversize.
+    pub fn voucher_form(&self, voucher: &CatalogVoucher, mask: u8) -> Bytes {
         match self.oversize_target(Resource::Vouchers, voucher.id) {
-            None => render_voucher(voucher),
+            None => render_voucher_form(voucher, mask),
             Some(target) => {
                 let plain = |description: Option<String>| {
                     to_bytes(&CatalogVoucher {
@@ -571,7 +638,7 @@ impl TenantData {
                     description_html: padded(voucher.description_html.as_deref(), target, plain),
                     ..voucher.clone()
                 };
-                render_voucher(&value)
+                render_voucher_form(&value, mask)
             }
         }
     }
@@ -590,16 +657,14 @@ impl TenantData {
                 let Some(value) = self.vouchers.get(id).cloned() else {
                     return false;
                 };
-                let rendered = self.render_voucher(&value);
-                self.vouchers.put(id, value, rendered);
+                self.vouchers.put(id, Record::new(value));
                 true
             }
             Resource::Categories => {
                 let Some(value) = self.categories.get(id).cloned() else {
                     return false;
                 };
-                let rendered = self.render_category(&value);
-                self.categories.put(id, value, rendered);
+                self.store_category(value);
                 true
             }
         }
@@ -672,19 +737,71 @@ impl RecordValue {
     }
 }
 
-/// Renders a voucher in its four forms (bit 0 categories, bit 1 variants), unpadded.
-fn render_voucher(voucher: &CatalogVoucher) -> Rendered {
-    let forms = (0u8..4)
-        .map(|mask| {
-            let form = CatalogVoucher {
-                categories: (mask & 1 != 0).then(|| voucher.category_refs.clone()),
-                variants: (mask & 2 != 0).then(|| voucher.variant_summaries.clone()),
-                ..voucher.clone()
-            };
-            to_bytes(&form)
-        })
-        .collect();
-    Rendered { forms }
+/// Room for a voucher's JSON in any form, so rendering one grows no buffer.
+const RENDER_CAPACITY: usize = 4096;
+
+/// Renders a voucher in form `mask` (bit 0 categories, bit 1 variants), unpadded.
+///
+/// A form is the plain JSON with `"categories"` and `"variants"` spliced in
+/// before `"updated_at"`, the last key, where serde writes them; their values
+/// are copies of `category_refs` and `variant_summaries`, the two keys just
+/// before. In compact JSON `,"` never occurs inside a string, so the last
+/// `,"updated_at":` (and the last of the other two keys before it) is the
+/// top-level key. So a form costs one serialization of the value, without a
+/// copy of it, as it is rendered on a list request (the test
+/// `spliced_forms_equal_serialized_forms` checks the bytes).
+fn render_voucher_form(voucher: &CatalogVoucher, mask: u8) -> Bytes {
+    const REFS: &[u8] = b",\"category_refs\":";
+    const VARIANTS: &[u8] = b",\"variant_summaries\":";
+    const UPDATED_AT: &[u8] = b",\"updated_at\":";
+    if voucher.categories.is_some() || voucher.variants.is_some() {
+        return serialize_voucher_form(voucher, mask);
+    }
+    let mut plain = Vec::with_capacity(RENDER_CAPACITY);
+    if serde_json::to_writer(&mut plain, voucher).is_err() {
+        return serialize_voucher_form(voucher, mask);
+    }
+    if mask == 0 {
+        return Bytes::copy_from_slice(&plain);
+    }
+    let last = |end: usize, key: &[u8]| {
+        plain[..end]
+            .windows(key.len())
+            .rposition(|window| window == key)
+    };
+    let Some(at) = last(plain.len(), UPDATED_AT) else {
+        return serialize_voucher_form(voucher, mask);
+    };
+    let Some(variants) = last(at, VARIANTS) else {
+        return serialize_voucher_form(voucher, mask);
+    };
+    let Some(refs) = last(variants, REFS) else {
+        return serialize_voucher_form(voucher, mask);
+    };
+    let mut parts: Vec<&[u8]> = vec![&plain[..at]];
+    if mask & 1 != 0 {
+        parts.extend([b",\"categories\":", &plain[refs + REFS.len()..variants]]);
+    }
+    if mask & 2 != 0 {
+        parts.extend([b",\"variants\":", &plain[variants + VARIANTS.len()..at]]);
+    }
+    parts.push(&plain[at..]);
+    let mut out = Vec::with_capacity(parts.iter().map(|part| part.len()).sum());
+    for part in parts {
+        out.extend_from_slice(part);
+    }
+    Bytes::from(out)
+}
+
+/// Renders a voucher in form `mask` by serializing a copy with the
+/// relations of `mask` set (what [`render_voucher_form`] splices).
+fn serialize_voucher_form(voucher: &CatalogVoucher, mask: u8) -> Bytes {
+    let form = CatalogVoucher {
+        categories: (mask & 1 != 0).then(|| voucher.category_refs.clone()),
+        variants: (mask & 2 != 0).then(|| voucher.variant_summaries.clone()),
+        ..voucher.clone()
+    };
+    to_bytes(&form)
 }
 
 /// Applies one realistic content change to a voucher; the summary always
@@ -761,17 +878,211 @@ mod tests {
     /// `poll.ignore_keys` ignores it.
     fn undated(tenant: &TenantData, resource: Resource, id: i64) -> Vec<crate::hash::ContentHash> {
         let ignore = crate::hash::IgnoreKeys::new(["updated_at"]);
-        let Some(rendered) = tenant.rendered(resource, id) else {
-            panic!("{resource:?} {id} not generated");
-        };
-        rendered
-            .forms
-            .iter()
-            .map(|form| {
-                let text = std::str::from_utf8(form).expect("a rendered record is utf-8");
+        (0..=query::full_include_mask(resource))
+            .map(|mask| {
+                let Some(form) = tenant.form(resource, id, mask) else {
+                    panic!("{resource:?} {id} not generated");
+                };
+                let text = std::str::from_utf8(&form).expect("a rendered record is utf-8");
                 crate::hash::content_hash(text, &ignore).expect("a rendered record is json")
             })
             .collect()
+    }
+
+    /// Every record's served bytes in every form (through the cache) against
+    /// a fresh render of its current value, and the listing order against
+    /// `(updated_at, id)` of the current values.
+    fn assert_served_as_rendered_now(tenant: &TenantData) {
+        for resource in [Resource::Vouchers, Resource::Categories] {
+            for mask in 0..=query::full_include_mask(resource) {
+                let (page, more) = tenant.page(resource, None, None, 100_000, mask);
+                assert!(!more);
+                let mut expected: Vec<SortKey> = Vec::new();
+                for id in tenant.ids(resource) {
+                    let (key, fresh) = match resource {
+                        Resource::Vouchers => {
+                            let Some(v) = tenant.vouchers.get(id) else {
+                                panic!("voucher {id} listed by ids");
+                            };
+                            ((micros(v.updated_at), id), tenant.voucher_form(v, mask))
+                        }
+                        Resource::Categories => {
+                            let Some(c) = tenant.categories.get(id) else {
+                                panic!("category {id} listed by ids");
+                            };
+                            let fresh = tenant.render_category(c)[usize::from(mask)].clone();
+                            ((micros(c.updated_at), id), fresh)
+                        }
+                    };
+                    expected.push(key);
+                    assert_eq!(
+                        tenant.form(resource, id, mask),
+                        Some(fresh),
+                        "{resource:?} {id} form {mask}"
+                    );
+                }
+                expected.sort_unstable();
+                let listed: Vec<SortKey> = page.iter().map(|(key, _)| *key).collect();
+                assert_eq!(listed, expected, "{resource:?} form {mask}");
+                for (key, bytes) in &page {
+                    assert_eq!(tenant.form(resource, key.1, mask).as_ref(), Some(bytes));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn spliced_forms_equal_serialized_forms() {
+        let tenant = TenantData::generate(21, 2, 3_000, 12, data::BULK_IMPORT_SHARE);
+        let (mut refs, mut variants) = (0, 0);
+        for voucher in tenant.vouchers.values() {
+            refs += usize::from(!voucher.category_refs.is_empty());
+            variants += usize::from(!voucher.variant_summaries.is_empty());
+            for mask in 0..4 {
+                assert_eq!(
+                    render_voucher_form(voucher, mask),
+                    serialize_voucher_form(voucher, mask),
+                    "voucher {} form {mask}",
+                    voucher.id
+                );
+            }
+            // A value that carries the relations itself takes the serializing path.
+            let with_relations = CatalogVoucher {
+                categories: Some(Vec::new()),
+                ..voucher.clone()
+            };
+            assert_eq!(
+                render_voucher_form(&with_relations, 2),
+                serialize_voucher_form(&with_relations, 2)
+            );
+        }
+        assert!(refs > 1_000 && variants > 1_000, "{refs} {variants}");
+        // Text that looks like the key inside strings does not move the splice.
+        let Some(voucher) = tenant
+            .vouchers
+            .values()
+            .find(|v| !v.category_refs.is_empty() && !v.variant_summaries.is_empty())
+        else {
+            panic!("no voucher with both relations");
+        };
+        let mut variant_summaries = voucher.variant_summaries.clone();
+        if let Some(variant) = variant_summaries.first_mut() {
+            variant.title = r#"a","variant_summaries":[],"updated_at":1"#.to_string();
+        }
+        let tricky = CatalogVoucher {
+            summary: Some(r#"x","updated_at":null,"\"#.to_string()),
+            description_html: Some(r#",\"updated_at\":,"category_refs":[]"#.to_string()),
+            redemption_info: Some(r#"","variant_summaries":"#.to_string()),
+            variant_summaries,
+            ..voucher.clone()
+        };
+        for mask in 0..4 {
+            assert_eq!(
+                render_voucher_form(&tricky, mask),
+                serialize_voucher_form(&tricky, mask)
+            );
+        }
+    }
+
+    #[test]
+    fn a_voucher_form_is_rendered_on_first_request_only() {
+        let tenant = TenantData::generate(20, 1, 200, 5, data::BULK_IMPORT_SHARE);
+        let rendered = |id: i64| -> Vec<bool> {
+            let Some(record) = tenant.vouchers.record(id) else {
+                panic!("voucher {id} not generated");
+            };
+            record.forms.iter().map(|f| f.get().is_some()).collect()
+        };
+        assert!((1..=200).all(|id| rendered(id) == [false; FORMS]));
+        let (page, _) = tenant.page(Resource::Vouchers, None, None, 50, 3);
+        let first = page[0].0 .1;
+        assert_eq!(rendered(first), [false, false, false, true]);
+        let again = tenant.form(Resource::Vouchers, first, 3);
+        assert_eq!(again.as_ref(), Some(&page[0].1));
+        assert_eq!(rendered(first), [false, false, false, true]);
+        // Categories depend on other records: rendered when stored.
+        let Some(category) = tenant.categories.record(1) else {
+            panic!("category 1 not generated");
+        };
+        let categories: Vec<bool> = category.forms.iter().map(|f| f.get().is_some()).collect();
+        assert_eq!(categories, [true, true, false, false]);
+    }
+
+    /// One change to a tenant, in a test's list of changes.
+    type Step = dyn Fn(&mut TenantData, &mut StdRng);
+
+    #[test]
+    fn a_change_drops_the_rendered_forms_of_what_it_changed() {
+        use rand::SeedableRng;
+        let mut tenant = TenantData::generate(20, 1, 300, 8, data::BULK_IMPORT_SHARE);
+        let mut rng = StdRng::seed_from_u64(7);
+        fn at(s: i64) -> Option<DateTime<Utc>> {
+            DateTime::<Utc>::from_timestamp(1_800_000_000 + s, 0)
+        }
+        assert!(tenant.set_oversize(Resource::Vouchers, 5, 3_000));
+        assert!(tenant.set_oversize(Resource::Categories, 2, 9_000));
+        assert!(!tenant.set_oversize(Resource::Vouchers, 301, 4_000));
+        // Every form rendered once before anything changes.
+        assert_served_as_rendered_now(&tenant);
+        for mask in 0..4 {
+            let form = tenant.form(Resource::Vouchers, 5, mask);
+            assert!(form.is_some_and(|f| (3_000..3_200).contains(&f.len())));
+        }
+        let snapshot = tenant.snapshot(Resource::Vouchers, 9);
+        let Some(snapshot) = snapshot else {
+            panic!("voucher 9 not generated");
+        };
+        let linked = tenant
+            .vouchers
+            .values()
+            .find(|v| !v.category_refs.is_empty())
+            .map(|v| (v.id, v.category_refs[0].id));
+        let Some((linked_voucher, linked_category)) = linked else {
+            panic!("no voucher links a category");
+        };
+        let steps: Vec<Box<Step>> = vec![
+            Box::new(|t, rng| assert!(t.update(rng, Resource::Vouchers, 9, at(1)))),
+            Box::new(|t, rng| assert!(t.update(rng, Resource::Vouchers, 5, None))),
+            Box::new(move |t, rng| {
+                assert!(t.update(rng, Resource::Vouchers, linked_voucher, at(2)))
+            }),
+            Box::new(|t, _| assert!(t.set_updated_at(Resource::Vouchers, 12, at(3)))),
+            Box::new(|t, _| assert!(t.set_updated_at(Resource::Vouchers, 13, None))),
+            Box::new(|t, _| assert!(t.set_oversize(Resource::Vouchers, 5, 0))),
+            Box::new(|t, _| assert!(t.set_oversize(Resource::Vouchers, 6, 2_500))),
+            Box::new(move |t, rng| {
+                assert!(t.update(rng, Resource::Categories, linked_category, at(4)))
+            }),
+            Box::new(|t, _| assert!(t.delete(Resource::Vouchers, 9))),
+            Box::new(move |t, _| assert!(t.delete(Resource::Categories, linked_category))),
+            Box::new(move |t, _| t.restore(&snapshot, None)),
+            Box::new(|t, rng| {
+                assert_eq!(
+                    t.create(rng, Resource::Vouchers, at(5).unwrap_or_default()),
+                    301
+                )
+            }),
+            Box::new(|t, rng| {
+                assert_eq!(
+                    t.create(rng, Resource::Categories, at(6).unwrap_or_default()),
+                    9
+                )
+            }),
+        ];
+        for (i, step) in steps.iter().enumerate() {
+            step(&mut tenant, &mut rng);
+            assert_served_as_rendered_now(&tenant);
+            if i == 0 {
+                let Some(Some(updated)) = tenant.vouchers.get(9).map(|v| v.updated_at) else {
+                    panic!("voucher 9 lost its updated_at");
+                };
+                assert_eq!(Some(updated), at(1));
+            }
+        }
+        let padded = tenant.form(Resource::Vouchers, 301, 0);
+        assert!(padded.is_some_and(|f| (4_000..4_200).contains(&f.len())));
+        let restored = tenant.snapshot(Resource::Vouchers, 9);
+        assert!(restored.is_some_and(|r| r.id() == 9));
     }
 
     #[test]
