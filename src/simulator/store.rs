@@ -745,9 +745,10 @@ const RENDER_CAPACITY: usize = 4096;
 /// A form is the plain JSON with `"categories"` and `"variants"` spliced in
 /// before `"updated_at"`, the last key, where serde writes them; their values
 /// are copies of `category_refs` and `variant_summaries`, the two keys just
-/// before. In compact JSON `,"` never occurs inside a string, so the last
-/// `,"updated_at":` (and the last of the other two keys before it) is the
-/// top-level key. So a form costs one serialization of the value, without a
+/// before. Inside a JSON string a quote is always escaped (`\"`), so
+/// `,"updated_at":` and the other two keys can only match where serde
+/// wrote a key, and `updated_at` is the struct's last field: the last match
+/// of each is the top-level key. So a form costs one serialization of the value, without a
 /// copy of it, as it is rendered on a list request (the test
 /// `spliced_forms_equal_serialized_forms` checks the bytes).
 fn render_voucher_form(voucher: &CatalogVoucher, mask: u8) -> Bytes {

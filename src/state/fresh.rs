@@ -535,6 +535,8 @@ impl FreshStream {
 /// first sync's group grows to megabytes a stream, and one vector doubling
 /// to hold it held up to twice its bytes and copied them at every doubling,
 /// each copy leaving the old block to the allocator in the middle of the heap.
+/// The first chunk starts at [`FIRST_CHUNK`] bytes and doubles up to a
+/// whole one, so a group of one page costs a few KB, as before.
 #[derive(Debug, Default)]
 pub(crate) struct FreshRecords {
     chunks: Vec<Vec<u8>>,
@@ -545,6 +547,9 @@ pub(crate) struct FreshRecords {
 /// Bytes of one chunk of a [`FreshRecords`] (below glibc's default mmap
 /// threshold, so a freed chunk goes back to the heap for the next group).
 pub(crate) const FRESH_CHUNK: usize = 64 << 10;
+
+/// Bytes the first chunk of a [`FreshRecords`] starts with.
+const FIRST_CHUNK: usize = 4 << 10;
 
 /// The longest entry: an id, a length byte and at most 255 bytes of state.
 const MAX_ENTRY: usize = 8 + 1 + u8::MAX as usize;
@@ -561,11 +566,24 @@ impl FreshRecords {
             .last()
             .is_some_and(|chunk| FRESH_CHUNK - chunk.len() >= MAX_ENTRY);
         if !room {
-            self.chunks.push(Vec::with_capacity(FRESH_CHUNK));
+            // The first chunk starts small (a group of one page holds a few
+            // KB, and every stream in a first sync holds a group); later
+            // ones are whole from the start.
+            let first = if self.chunks.is_empty() {
+                FIRST_CHUNK
+            } else {
+                FRESH_CHUNK
+            };
+            self.chunks.push(Vec::with_capacity(first));
         }
         let Some(chunk) = self.chunks.last_mut() else {
             return;
         };
+        if chunk.capacity() - chunk.len() < MAX_ENTRY {
+            // Only the first chunk grows: doubling, never past FRESH_CHUNK.
+            let grown = (chunk.capacity() * 2).clamp(FIRST_CHUNK, FRESH_CHUNK);
+            chunk.reserve_exact(grown - chunk.len());
+        }
         let start = chunk.len();
         chunk.extend_from_slice(&id.to_le_bytes());
         let at = chunk.len();
@@ -1016,6 +1034,17 @@ mod tests {
             .chunks
             .iter()
             .all(|chunk| chunk.len() <= FRESH_CHUNK && chunk.capacity() == FRESH_CHUNK));
+        // A group of one page holds a small first chunk.
+        let mut page = FreshRecords::default();
+        for n in 0..50 {
+            page.push(id_of(n), &state(n as u64));
+        }
+        assert_eq!(page.chunks.len(), 1);
+        assert!(
+            page.chunks[0].capacity() <= FIRST_CHUNK,
+            "{}",
+            page.chunks[0].capacity()
+        );
         let used: usize = records.chunks.iter().map(Vec::len).sum();
         assert_eq!(records.bytes(), used);
         let read: Vec<(i64, RecordState)> = records
