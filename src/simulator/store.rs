@@ -770,13 +770,11 @@ fn render_voucher_form(voucher: &CatalogVoucher, mask: u8) -> Bytes {
             .windows(key.len())
             .rposition(|window| window == key)
     };
-    let Some(at) = last(plain.len(), UPDATED_AT) else {
-        return serialize_voucher_form(voucher, mask);
-    };
-    let Some(variants) = last(at, VARIANTS) else {
-        return serialize_voucher_form(voucher, mask);
-    };
-    let Some(refs) = last(variants, REFS) else {
+    let keys = last(plain.len(), UPDATED_AT).and_then(|at| {
+        let variants = last(at, VARIANTS)?;
+        Some((last(variants, REFS)?, variants, at))
+    });
+    let Some((refs, variants, at)) = keys else {
         return serialize_voucher_form(voucher, mask);
     };
     let mut parts: Vec<&[u8]> = vec![&plain[..at]];

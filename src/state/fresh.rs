@@ -566,22 +566,21 @@ impl FreshRecords {
             .last()
             .is_some_and(|chunk| FRESH_CHUNK - chunk.len() >= MAX_ENTRY);
         if !room {
-            // The first chunk starts small (a group of one page holds a few
-            // KB, and every stream in a first sync holds a group); later
-            // ones are whole from the start.
-            let first = if self.chunks.is_empty() {
-                FIRST_CHUNK
-            } else {
-                FRESH_CHUNK
-            };
-            self.chunks.push(Vec::with_capacity(first));
+            self.chunks.push(Vec::new());
         }
+        let first = self.chunks.len() == 1;
         let Some(chunk) = self.chunks.last_mut() else {
             return;
         };
         if chunk.capacity() - chunk.len() < MAX_ENTRY {
-            // Only the first chunk grows: doubling, never past FRESH_CHUNK.
-            let grown = (chunk.capacity() * 2).clamp(FIRST_CHUNK, FRESH_CHUNK);
+            // The first chunk starts small and doubles (a group of one page
+            // holds a few KB, and every stream in a first sync holds a
+            // group); later ones are whole from the start.
+            let grown = if first {
+                (chunk.capacity() * 2).clamp(FIRST_CHUNK, FRESH_CHUNK)
+            } else {
+                FRESH_CHUNK
+            };
             chunk.reserve_exact(grown - chunk.len());
         }
         let start = chunk.len();
