@@ -471,6 +471,24 @@ struct ProcessSample {
     start_time_seconds: Option<f64>,
 }
 
+/// User and system CPU time of the whole process from `getrusage`, to the
+/// microsecond: `/proc/self/stat` counts 10 ms ticks, so a process that has
+/// just started reads 0 there. None when the call fails.
+fn rusage_cpu_seconds() -> Option<f64> {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes one `rusage` through the pointer it is given,
+    // which points at one; the value was zeroed, so it is initialised either way.
+    #[allow(unsafe_code)]
+    let usage = unsafe {
+        if libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) != 0 {
+            return None;
+        }
+        usage.assume_init()
+    };
+    let seconds = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    Some(seconds(usage.ru_utime) + seconds(usage.ru_stime))
+}
+
 /// Clock ticks per second of `/proc/*/stat` times: USER_HZ, fixed at 100 by
 /// the Linux ABI (Prometheus' procfs library assumes the same).
 const USER_HZ: f64 = 100.0;
@@ -483,6 +501,9 @@ impl ProcessSample {
         let limits = std::fs::read_to_string("/proc/self/limits").unwrap_or_default();
         let boot = std::fs::read_to_string("/proc/stat").unwrap_or_default();
         let mut sample = Self::parse(&stat, &status, &limits, &boot)?;
+        if let Some(cpu_seconds) = rusage_cpu_seconds() {
+            sample.cpu_seconds = cpu_seconds;
+        }
         sample.open_fds = std::fs::read_dir("/proc/self/fd")
             .ok()
             .map(|entries| entries.count() as u64);
