@@ -544,8 +544,9 @@ pub(crate) struct FreshRecords {
     bytes: usize,
 }
 
-/// Bytes of one chunk of a [`FreshRecords`] (below glibc's default mmap
-/// threshold, so a freed chunk goes back to the heap for the next group).
+/// Bytes of one chunk of a [`FreshRecords`] (below the 128 KiB mmap
+/// threshold `main` sets, so a freed chunk goes back to the heap for the
+/// next group).
 pub(crate) const FRESH_CHUNK: usize = 64 << 10;
 
 /// Bytes the first chunk of a [`FreshRecords`] starts with.
