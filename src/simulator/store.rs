@@ -409,7 +409,11 @@ impl TenantData {
             Resource::Vouchers => {
                 let id = self.next_voucher_id;
                 self.next_voucher_id += 1;
-                let categories: Vec<CatalogCategory> = self.categories.values().cloned().collect();
+                // In id order: the table's map iterates in a per-process
+                // order, and the links must follow from the seed alone.
+                let mut categories: Vec<CatalogCategory> =
+                    self.categories.values().cloned().collect();
+                categories.sort_unstable_by_key(|category| category.id);
                 let mut next_variant_id = self.next_variant_id;
                 let value = data::voucher(
                     rng,
@@ -845,6 +849,33 @@ mod tests {
         let (page, more) = tenant.page(Resource::Vouchers, None, None, 10_000, 0);
         assert!(!more);
         page.iter().map(|(key, _)| key.1).collect()
+    }
+
+    #[test]
+    fn vouchers_created_from_the_same_seed_link_the_same_categories() {
+        use rand::SeedableRng;
+        let created = || {
+            let mut tenant = TenantData::generate(20, 1, 10, 40, 0.0);
+            let mut rng = StdRng::seed_from_u64(7);
+            let at = Utc::now();
+            (0..30)
+                .map(|_| {
+                    let id = tenant.create(&mut rng, Resource::Vouchers, at);
+                    let voucher = tenant.vouchers.get(id).expect("created");
+                    voucher
+                        .category_refs
+                        .iter()
+                        .map(|c| c.id)
+                        .collect::<Vec<_>>()
+                })
+                .collect::<Vec<_>>()
+        };
+        let first = created();
+        assert!(
+            first.iter().any(|links| !links.is_empty()),
+            "no voucher links a category"
+        );
+        assert_eq!(first, created());
     }
 
     #[test]
