@@ -184,11 +184,9 @@ write_config() {
   local dir="$1" sink="$2" tenants="$3" interval="$4" tenant
   {
     printf '[upstream]\nbase_url = "%s"\ntoken = "sim-token"\nrequests_per_minute = 1000000\n\n' "$SIM_URL"
-    # A first sync knows no records, so its listing may take
-    # poll.max_pages_floor pages (10,000 = 500,000 records a stream) before
-    # it counts as endless: the floor covers the largest stream benchmarked.
-    printf '[poll]\ninterval = "%s"\nfull_resync_interval = "%s"\nmax_pages_floor = %s\n\n' \
-      "$interval" "$interval" "$MAX_PAGES_FLOOR"
+    # The default poll.max_pages_floor: a first sync's page limit grows with
+    # the records it commits, whatever the size of the stream.
+    printf '[poll]\ninterval = "%s"\nfull_resync_interval = "%s"\n\n' "$interval" "$interval"
     printf '[state]\npath = "%s/state"\n\n' "$dir"
     case "$sink" in
       file) printf '[sink]\nkind = "file"\n\n[sink.file]\npath = "%s/events.jsonl"\n\n' "$dir" ;;
@@ -307,12 +305,6 @@ setup_sweep() {
   }
   sleep 1.2
 }
-
-# Twice the pages of the largest stream any case lists, and the default at
-# least (at most the setting's own maximum).
-MAX_PAGES_FLOOR="$(python3 -c "
-streams = [$VOUCHERS, $CATEGORIES] + [s // max(1, $TENANTS) for s in [${SCALE}]]
-print(min(10000000, max(10000, 2 * (max(streams) // 50 + 1) + 100)))")"
 
 echo "==> run dir $RUN_DIR; $REPEAT run(s) per case, median by CPU" >&2
 has_case() {

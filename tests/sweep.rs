@@ -1113,6 +1113,32 @@ async fn a_cursor_cycle_or_an_endless_listing_fails_the_sweep_and_keeps_the_wate
 }
 
 #[tokio::test]
+async fn a_first_sync_of_more_pages_than_the_floor_ends_by_itself_as_its_records_raise_the_limit() {
+    // 6,000 records take 120 pages. A first sync knows none, so its limit
+    // starts at max(floor, 2 x 0 + 100) = 100 pages and must grow with the
+    // records each page commits.
+    let h = spawn_harness(1, 6_000, 0).await;
+    let stream = StreamKey::new(1, V);
+    let mut settings = h.settings.clone();
+    settings.max_pages_floor = 1;
+    let sweeper = h.builder(stream).with_settings(settings).build();
+    h.sim.clear_request_log();
+    let report = sweeper
+        .run(SweepKind::Incremental, &CancellationToken::new())
+        .await
+        .expect("the first sync ends without an endless-listing error");
+    assert_eq!(report.records_seen, 6_000);
+    assert_eq!(
+        h.sim.request_log().len(),
+        120,
+        "exactly ceil(6000/50) list requests"
+    );
+    assert_eq!(h.store.record_count(stream).unwrap(), 6_000);
+    let state = h.store.load_stream(stream).unwrap();
+    assert!(state.watermark.is_some() && state.last_error.is_none());
+}
+
+#[tokio::test]
 async fn a_revert_after_an_unacknowledged_page_is_published_against_the_version_downstream_saw() {
     let mut h = spawn_harness(1, 30, 0).await;
     let stream = StreamKey::new(1, V);

@@ -260,7 +260,7 @@ pub const DEFAULT_FULL_SWEEP_SHARE: f64 = 0.25;
 /// at least once per 0.97 x the round a uniform schedule would take, so the
 /// slowest changes wait less than under uniform polling (docs/planner.md).
 pub const DEFAULT_TAIL_GUARD: f64 = 0.97;
-/// Default of `poll.max_pages_floor`: a listing of 500,000 records.
+/// Default of `poll.max_pages_floor`: the pages of 500,000 records.
 pub const DEFAULT_MAX_PAGES_FLOOR: u64 = 10_000;
 
 /// `[poll]`: when and how streams are swept. Its defaults are the
@@ -296,7 +296,8 @@ pub struct PollConfig {
     #[serde(default = "default_shutdown_timeout", with = "humantime_serde")]
     pub shutdown_timeout: Duration,
     /// Fewest pages one listing may take before it counts as endless (the
-    /// limit grows with the records known: twice their pages plus 100).
+    /// limit grows with the records known, those the listing commits
+    /// included: twice their pages plus 100).
     #[serde(default = "default_max_pages_floor")]
     pub max_pages_floor: u64,
     /// Staleness cap: no stream waits longer between two polls (adaptive);

@@ -62,7 +62,7 @@ use crate::telemetry::metric;
 use crate::upstream::client::UpstreamClient;
 use crate::upstream::error::UpstreamError;
 use crate::upstream::page::{Hashing, ListQuery, Page, Record};
-use crate::upstream::pagination::page_limit;
+use crate::upstream::pagination::{page_limit, PageLimit};
 use crate::upstream::ratelimit::Lane;
 
 /// Settings of a sweep, derived from `[poll]`.
@@ -473,10 +473,12 @@ impl SweepRun<'_> {
             cursor: None,
             include_relations: sweeper.settings.include_relations,
         };
-        let max_pages = page_limit(known_before, sweeper.settings.max_pages_floor);
+        let floor = sweeper.settings.max_pages_floor;
+        // Raised as the listing commits records not known before (see `PageLimit`).
+        let limit = PageLimit::new(page_limit(known_before, floor));
         let pages =
             self.client
-                .list_pages_bounded(stream.tenant, stream.resource, query, max_pages);
+                .list_pages_bounded(stream.tenant, stream.resource, query, limit.clone());
         let settings = &sweeper.settings;
         let mut pages = ReadAhead::new(pages, settings.read_ahead_bytes, self.cancel.clone());
         let mut first_server_time = None;
@@ -519,6 +521,7 @@ impl SweepRun<'_> {
             }
             if let Some(listed_at) = group.listed_at {
                 self.process_page(&group.records, listed_at).await?;
+                limit.raise_to(page_limit(sweeper.store.record_count(stream)?, floor));
                 if let Some(progress) = &sweeper.progress {
                     progress(stream, self.report.records_seen, self.report.pages);
                 }

@@ -3,6 +3,9 @@
 //! making every listing end (a repeated cursor or a page count far beyond the
 //! records known fails it).
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
 use futures::Stream;
 
 use super::client::UpstreamClient;
@@ -20,20 +23,21 @@ impl UpstreamClient {
         resource: Resource,
         q: ListQuery,
     ) -> impl Stream<Item = Result<Page, UpstreamError>> + Send + 'static {
-        self.list_pages_bounded(tenant, resource, q, u64::MAX)
+        self.list_pages_bounded(tenant, resource, q, PageLimit::new(u64::MAX))
     }
 
     /// Like [`list_pages`](Self::list_pages), failing the listing with
-    /// [`UpstreamError::EndlessListing`] once it would request page `max_pages + 1`.
+    /// [`UpstreamError::EndlessListing`] once it would request a page beyond
+    /// `limit` (which the caller may raise while the listing runs).
     pub fn list_pages_bounded(
         &self,
         tenant: TenantId,
         resource: Resource,
         q: ListQuery,
-        max_pages: u64,
+        limit: PageLimit,
     ) -> impl Stream<Item = Result<Page, UpstreamError>> + Send + 'static {
         let client = self.clone();
-        let guard = ListingGuard::new(max_pages);
+        let guard = ListingGuard::new(limit);
         futures::stream::unfold(Some((q, guard)), move |next| {
             let client = client.clone();
             async move {
@@ -79,16 +83,16 @@ impl UpstreamClient {
 pub struct ListingGuard {
     followed: std::collections::HashSet<[u8; 16]>,
     pages: u64,
-    max_pages: u64,
+    limit: PageLimit,
 }
 
 impl ListingGuard {
-    /// A guard for a listing of at most `max_pages` pages.
-    pub fn new(max_pages: u64) -> Self {
+    /// A guard for a listing of at most `limit` pages.
+    pub fn new(limit: PageLimit) -> Self {
         Self {
             followed: std::collections::HashSet::new(),
             pages: 1,
-            max_pages,
+            limit,
         }
     }
 
@@ -99,11 +103,11 @@ impl ListingGuard {
 
     /// Accepts following `cursor` to the next page, or says why the listing must stop.
     pub fn follow(&mut self, cursor: &str) -> Result<(), String> {
-        if self.pages >= self.max_pages {
+        let max_pages = self.limit.get();
+        if self.pages >= max_pages {
             return Err(format!(
-                "the page limit of {} was reached (more pages than the records known explain; \
-                 raise poll.max_pages_floor if the catalog really is this large)",
-                self.max_pages
+                "the page limit of {max_pages} was reached (more pages than the records known \
+                 explain; raise poll.max_pages_floor if the catalog really is this large)"
             ));
         }
         let digest = crate::hash::truncated(&blake3::hash(cursor.as_bytes()));
@@ -118,7 +122,35 @@ impl ListingGuard {
     }
 }
 
-/// The page limit of one listing: `floor`, or more when the records known need more pages.
+/// The page limit of one listing, shared between the listing and its reader.
+///
+/// A listing starts with the limit of the records known before it
+/// ([`page_limit`]); its reader raises the limit as the records it commits
+/// grow that count. So a first sync of a catalog of any size ends by itself,
+/// while a listing whose pages bring no record it did not already have (a
+/// cycle under cursors that never repeat, or the same pages forever) still
+/// meets a limit that stops moving.
+#[derive(Debug, Clone)]
+pub struct PageLimit(Arc<AtomicU64>);
+
+impl PageLimit {
+    /// A limit of `max_pages` pages.
+    pub fn new(max_pages: u64) -> Self {
+        Self(Arc::new(AtomicU64::new(max_pages)))
+    }
+
+    /// The pages a listing may take now.
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// Raises the limit to `max_pages`; a lower value leaves it as it is.
+    pub fn raise_to(&self, max_pages: u64) {
+        self.0.fetch_max(max_pages, Ordering::Relaxed);
+    }
+}
+
+/// The page limit of a listing: `floor`, or more when the records known need more pages.
 ///
 /// A listing of `known` records takes `ceil(known / 50)` pages; records
 /// updated while the listing runs can move and be listed twice, so the limit
@@ -137,14 +169,14 @@ mod tests {
 
     #[test]
     fn a_listing_guard_stops_at_any_repeated_cursor_and_at_the_page_limit() {
-        let mut guard = ListingGuard::new(10);
+        let mut guard = ListingGuard::new(PageLimit::new(10));
         assert_eq!(guard.follow("a"), Ok(()));
         assert_eq!(guard.follow("b"), Ok(()));
         let err = guard.follow("a").unwrap_err();
         assert!(err.contains("cursor cycle"), "{err}");
         assert_eq!(guard.pages(), 3);
 
-        let mut guard = ListingGuard::new(3);
+        let mut guard = ListingGuard::new(PageLimit::new(3));
         assert_eq!(guard.follow("1"), Ok(()));
         assert_eq!(guard.follow("2"), Ok(()));
         let err = guard.follow("3").unwrap_err();
@@ -153,10 +185,25 @@ mod tests {
     }
 
     #[test]
+    fn a_raised_limit_lets_the_listing_go_on_and_a_lower_one_never_shrinks_it() {
+        let limit = PageLimit::new(2);
+        let mut guard = ListingGuard::new(limit.clone());
+        assert_eq!(guard.follow("1"), Ok(()));
+        assert!(guard.follow("2").unwrap_err().contains("page limit of 2"));
+        limit.raise_to(4);
+        limit.raise_to(1);
+        assert_eq!(limit.get(), 4);
+        assert_eq!(guard.follow("2"), Ok(()));
+        assert_eq!(guard.follow("3"), Ok(()));
+        assert!(guard.follow("4").unwrap_err().contains("page limit of 4"));
+        assert_eq!(guard.pages(), 4);
+    }
+
+    #[test]
     fn long_cursors_that_differ_only_in_their_last_byte_are_told_apart_and_each_repeat_is_caught() {
         let base = "c".repeat(4096);
         let (first, second) = (format!("{base}1"), format!("{base}2"));
-        let mut guard = ListingGuard::new(100);
+        let mut guard = ListingGuard::new(PageLimit::new(100));
         assert_eq!(guard.follow(&first), Ok(()));
         assert_eq!(guard.follow(&second), Ok(()));
         assert!(guard.follow(&second).unwrap_err().contains("cursor cycle"));
