@@ -1139,6 +1139,31 @@ async fn a_first_sync_of_more_pages_than_the_floor_ends_by_itself_as_its_records
 }
 
 #[tokio::test]
+async fn an_endless_first_sync_stops_where_the_records_it_committed_set_the_limit() {
+    // The real 120 pages, then page one again under fresh cursors forever:
+    // the repeats add no record, so the limit stops at 2 x 120 + 100.
+    use voucher_cdc::simulator::ListingFault;
+    let h = spawn_harness(1, 6_000, 0).await;
+    let stream = StreamKey::new(1, V);
+    h.sim.set_listing_fault(Some(ListingFault::Endless));
+    let mut settings = h.settings.clone();
+    settings.max_pages_floor = 1;
+    let sweeper = h.builder(stream).with_settings(settings).build();
+    h.sim.clear_request_log();
+    let err = tokio::time::timeout(
+        Duration::from_secs(60),
+        sweeper.run(SweepKind::Incremental, &CancellationToken::new()),
+    )
+    .await
+    .expect("the sweep ends")
+    .unwrap_err();
+    assert!(err.to_string().contains("page limit of 340"), "{err}");
+    assert_eq!(h.sim.request_log().len(), 340);
+    assert_eq!(h.store.record_count(stream).unwrap(), 6_000);
+    assert!(h.store.load_stream(stream).unwrap().watermark.is_none());
+}
+
+#[tokio::test]
 async fn a_revert_after_an_unacknowledged_page_is_published_against_the_version_downstream_saw() {
     let mut h = spawn_harness(1, 30, 0).await;
     let stream = StreamKey::new(1, V);

@@ -26,6 +26,7 @@ use crate::sweep::SweepSettings;
 use crate::telemetry::LogFormat;
 use crate::upstream::body_budget::DEFAULT_BODY_BUDGET_BYTES;
 use crate::upstream::client::ClientOptions;
+use crate::upstream::pagination::MAX_LISTING_PAGES;
 use crate::upstream::tls::TrustRoots;
 
 pub use self::load::{
@@ -926,11 +927,11 @@ impl PollConfig {
         if self.shutdown_timeout.is_zero() {
             problems.bad("poll.shutdown_timeout", "must be greater than 0s");
         }
-        if !(1..=10_000_000).contains(&self.max_pages_floor) {
+        if !(1..=MAX_LISTING_PAGES).contains(&self.max_pages_floor) {
             problems.bad(
                 "poll.max_pages_floor",
                 format!(
-                    "must be between 1 and 10000000, got {}",
+                    "must be between 1 and {MAX_LISTING_PAGES}, got {}",
                     self.max_pages_floor
                 ),
             );

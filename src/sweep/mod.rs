@@ -12,7 +12,8 @@
 //! * deletes are journalled the same way, and each is confirmed by the
 //!   single-record GET (404) before it is published;
 //! * a listing always ends: a repeated cursor or a page count far beyond the
-//!   records known fails the sweep without moving the watermark;
+//!   records known (those its own pages committed included, up to
+//!   `MAX_LISTING_PAGES`) fails the sweep without moving the watermark;
 //! * a page commits only as an [`Acked`] batch, built from one delivery per
 //!   event (the count checked), so the invariant holds by the types;
 //! * the next pages are listed while a page is published (`read_ahead`),
@@ -62,7 +63,7 @@ use crate::telemetry::metric;
 use crate::upstream::client::UpstreamClient;
 use crate::upstream::error::UpstreamError;
 use crate::upstream::page::{Hashing, ListQuery, Page, Record};
-use crate::upstream::pagination::{page_limit, PageLimit};
+use crate::upstream::pagination::{page_limit, PageLimit, MAX_LISTING_PAGES};
 use crate::upstream::ratelimit::Lane;
 
 /// Settings of a sweep, derived from `[poll]`.
@@ -520,8 +521,16 @@ impl SweepRun<'_> {
                 }
             }
             if let Some(listed_at) = group.listed_at {
+                let adding =
+                    self.report.created + self.report.snapshots + self.report.dead_lettered;
                 self.process_page(&group.records, listed_at).await?;
-                limit.raise_to(page_limit(sweeper.store.record_count(stream)?, floor));
+                // Only a group with creates, snapshots or dead letters can add
+                // records: an unchanged group asks the store nothing.
+                if self.report.created + self.report.snapshots + self.report.dead_lettered > adding
+                {
+                    let known = sweeper.store.record_count(stream)?;
+                    limit.raise_to(page_limit(known, floor).min(MAX_LISTING_PAGES));
+                }
                 if let Some(progress) = &sweeper.progress {
                     progress(stream, self.report.records_seen, self.report.pages);
                 }

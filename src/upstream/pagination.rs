@@ -107,7 +107,8 @@ impl ListingGuard {
         if self.pages >= max_pages {
             return Err(format!(
                 "the page limit of {max_pages} was reached (more pages than the records known \
-                 explain; raise poll.max_pages_floor if the catalog really is this large)"
+                 explain; raise poll.max_pages_floor if records really move this much while \
+                 listed)"
             ));
         }
         let digest = crate::hash::truncated(&blake3::hash(cursor.as_bytes()));
@@ -159,6 +160,11 @@ pub fn page_limit(known: u64, floor: u64) -> u64 {
     let needed = known.div_ceil(PAGE_SIZE);
     floor.max(needed.saturating_mul(2).saturating_add(100))
 }
+
+/// Most pages a listing's limit is ever raised to (500,000,000 records; the
+/// largest `poll.max_pages_floor` accepted): a listing whose every page
+/// brings new records still ends.
+pub const MAX_LISTING_PAGES: u64 = 10_000_000;
 
 /// Records per list page (fixed by the API).
 pub const PAGE_SIZE: u64 = 50;
