@@ -120,11 +120,13 @@ impl AdminFailure {
     }
 }
 
-/// The sweep settings `[poll]` and `sink.on_record_error` ask for.
-pub fn sweep_settings(config: &Config) -> SweepSettings {
+/// The sweep settings `[poll]` and `sink.on_record_error` ask for; events
+/// name schemas served by an admin API on `admin_addr` unless
+/// `events.schema_base_url` is set.
+pub fn sweep_settings(config: &Config, admin_addr: SocketAddr) -> SweepSettings {
     SweepSettings {
         on_record_error: config.sink.on_record_error,
-        schema_base: config.events.schema_base(config.admin.listen),
+        schema_base: config.events.schema_base(admin_addr),
         changed_fields: config.events.changed_fields,
         before: config.events.before,
         ..SweepSettings::from(&config.poll)
@@ -271,9 +273,12 @@ pub struct Components {
 
 impl Components {
     /// Opens the store, builds the clients and the sink (unless `sink` is
-    /// given), and one runner per owned stream.
+    /// given), and one runner per owned stream, whose events name the
+    /// schemas of an admin API on `admin_addr` (the bound address, so that
+    /// a configured port 0 never reaches `dataschema`).
     pub async fn build(
         config: &Config,
+        admin_addr: SocketAddr,
         sink: Option<Arc<dyn Sink>>,
         progress: Option<Progress>,
     ) -> Result<Self, DaemonError> {
@@ -301,7 +306,7 @@ impl Components {
         );
         crate::sinks::metrics::record_sink_up(sink.name(), sink.health().await.is_ok());
         let sink_ended = sink.ended().unwrap_or_default();
-        let settings = Arc::new(sweep_settings(config));
+        let settings = Arc::new(sweep_settings(config, admin_addr));
         let timing = Timing::from_poll(&config.poll);
         let mut planners = Planners::new(&config.poll);
         let runners = streams
@@ -376,7 +381,7 @@ impl Daemon {
 
     async fn assemble(config: &Config, sink: Option<Arc<dyn Sink>>) -> Result<Self, DaemonError> {
         let metrics = crate::telemetry::prometheus();
-        let components = Components::build(config, sink, None).await?;
+        // Bound first: the events' `dataschema` names the real port.
         let listen = config.admin.listen;
         let admin_failed = |failure| DaemonError::Admin { listen, failure };
         let listener = TcpListener::bind(listen)
@@ -385,6 +390,7 @@ impl Daemon {
         let admin_addr = listener
             .local_addr()
             .map_err(|e| admin_failed(AdminFailure::LocalAddress(e)))?;
+        let components = Components::build(config, admin_addr, sink, None).await?;
         Ok(Self {
             components,
             listener,
@@ -620,7 +626,8 @@ pub async fn run_once(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<Vec<(StreamKey, StepOutcome)>, DaemonError> {
     crate::telemetry::prometheus();
-    let components = Components::build(config, None, progress).await?;
+    // No admin API runs: `dataschema` names the one the daemon would serve.
+    let components = Components::build(config, config.admin.listen, None, progress).await?;
     let cancel = CancellationToken::new();
     let mut tasks = JoinSet::new();
     for runner in &components.runners {
