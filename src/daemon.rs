@@ -271,17 +271,18 @@ pub struct Components {
     pub budgets: Vec<(String, Arc<RateBudget>)>,
 }
 
-impl Components {
-    /// Opens the store, builds the clients and the sink (unless `sink` is
-    /// given), and one runner per owned stream, whose events name the
-    /// schemas of an admin API on `admin_addr` (the bound address, so that
-    /// a configured port 0 never reaches `dataschema`).
-    pub async fn build(
-        config: &Config,
-        admin_addr: SocketAddr,
-        sink: Option<Arc<dyn Sink>>,
-        progress: Option<Progress>,
-    ) -> Result<Self, DaemonError> {
+/// The first half of [`Components`]: the owned streams, their clients and
+/// the store, opened before the admin API binds (so that a config error or
+/// a store another process holds is what a start reports first).
+pub struct Opened {
+    streams: Vec<StreamKey>,
+    clients: HashMap<StreamKey, UpstreamClient>,
+    store: Arc<dyn StateStore>,
+}
+
+impl Opened {
+    /// Finds the owned streams, builds their clients and opens the store.
+    pub fn open(config: &Config) -> Result<Self, DaemonError> {
         let streams = owned_streams(config)?;
         if streams.is_empty() {
             warn!("this shard owns none of the configured tenants; nothing to sweep");
@@ -291,6 +292,29 @@ impl Components {
             &config.state.path,
             config.state.cache_bytes(),
         )?);
+        Ok(Self {
+            streams,
+            clients,
+            store,
+        })
+    }
+
+    /// Builds the sink (unless `sink` is given) and one runner per owned
+    /// stream, whose events name the schemas of an admin API on
+    /// `admin_addr` (the bound address: a configured port 0 never reaches
+    /// `dataschema`).
+    pub async fn finish(
+        self,
+        config: &Config,
+        admin_addr: SocketAddr,
+        sink: Option<Arc<dyn Sink>>,
+        progress: Option<Progress>,
+    ) -> Result<Components, DaemonError> {
+        let Opened {
+            streams,
+            clients,
+            store,
+        } = self;
         let sink = match sink {
             Some(sink) => sink,
             None => {
@@ -328,7 +352,7 @@ impl Components {
                 })
             })
             .collect();
-        Ok(Self {
+        Ok(Components {
             streams,
             store,
             sink,
@@ -338,7 +362,9 @@ impl Components {
             budgets,
         })
     }
+}
 
+impl Components {
     /// Makes the store durable and flushes the sink; logs what fails.
     pub async fn flush(&self) {
         if let Err(e) = self.store.flush() {
@@ -381,7 +407,8 @@ impl Daemon {
 
     async fn assemble(config: &Config, sink: Option<Arc<dyn Sink>>) -> Result<Self, DaemonError> {
         let metrics = crate::telemetry::prometheus();
-        // Bound first: the events' `dataschema` names the real port.
+        let opened = Opened::open(config)?;
+        // Bound before the runners: the events' `dataschema` names the real port.
         let listen = config.admin.listen;
         let admin_failed = |failure| DaemonError::Admin { listen, failure };
         let listener = TcpListener::bind(listen)
@@ -390,7 +417,7 @@ impl Daemon {
         let admin_addr = listener
             .local_addr()
             .map_err(|e| admin_failed(AdminFailure::LocalAddress(e)))?;
-        let components = Components::build(config, admin_addr, sink, None).await?;
+        let components = opened.finish(config, admin_addr, sink, None).await?;
         Ok(Self {
             components,
             listener,
@@ -627,7 +654,9 @@ pub async fn run_once(
 ) -> Result<Vec<(StreamKey, StepOutcome)>, DaemonError> {
     crate::telemetry::prometheus();
     // No admin API runs: `dataschema` names the one the daemon would serve.
-    let components = Components::build(config, config.admin.listen, None, progress).await?;
+    let components = Opened::open(config)?
+        .finish(config, config.admin.listen, None, progress)
+        .await?;
     let cancel = CancellationToken::new();
     let mut tasks = JoinSet::new();
     for runner in &components.runners {

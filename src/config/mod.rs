@@ -404,7 +404,7 @@ impl From<&PollConfig> for SweepSettings {
 #[serde(deny_unknown_fields)]
 pub struct EventsConfig {
     /// Absolute URL the events' `dataschema` starts with (the schema's file
-    /// name follows); unset: this daemon's admin API, `http://{admin.listen}/v1/schemas/`.
+    /// name follows); unset: this daemon's admin API, `http://{bound admin address}/v1/schemas/`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub schema_base_url: Option<String>,
     /// Publish a `stream.heartbeat` when a stream produced no event for this long.
@@ -479,11 +479,11 @@ impl EventsConfig {
         }
     }
 
-    /// Where `dataschema` points: `schema_base_url`, else the admin API on `admin_listen`.
-    pub fn schema_base(&self, admin_listen: SocketAddr) -> SchemaBase {
+    /// Where `dataschema` points: `schema_base_url`, else the admin API on `admin_addr`.
+    pub fn schema_base(&self, admin_addr: SocketAddr) -> SchemaBase {
         match &self.schema_base_url {
             Some(base) => SchemaBase::new(base),
-            None => SchemaBase::of_admin(admin_listen),
+            None => SchemaBase::of_admin(admin_addr),
         }
     }
 }
