@@ -8,7 +8,7 @@
 //! `products` depend on other records. Any change stores a new [`Record`],
 //! so it drops the rendered forms of that record only.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
@@ -42,16 +42,6 @@ impl<T> Record<T> {
             value,
             forms: Default::default(),
         }
-    }
-
-    /// A record with its forms rendered already, `forms[mask]` in mask order.
-    pub fn rendered(value: T, forms: Vec<Bytes>) -> Self {
-        let record = Self::new(value);
-        for (slot, form) in record.forms.iter().zip(forms) {
-            // The slots are fresh, so setting one cannot fail.
-            let _ = slot.set(form);
-        }
-        record
     }
 
     /// The record's JSON in form `mask`, rendered by `render` on first request.
@@ -188,10 +178,15 @@ impl<T: Stamped> Table<T> {
 pub struct TenantData {
     /// Tenant id.
     pub id: TenantId,
-    /// Catalog vouchers.
+    /// Catalog vouchers (written only through `store_voucher` and
+    /// `remove_voucher`, which keep `links` in step).
     pub vouchers: Table<CatalogVoucher>,
     /// Catalog categories.
     pub categories: Table<CatalogCategory>,
+    /// The ids of the vouchers that link each category: rendering a
+    /// category or following its change reads them instead of scanning
+    /// every voucher of the tenant.
+    links: HashMap<i64, BTreeSet<i64>>,
     /// Purchased vouchers by id (redemptions).
     pub purchased: BTreeMap<i64, Purchased>,
     /// Next catalog voucher id.
@@ -256,6 +251,7 @@ impl TenantData {
             id: tenant,
             vouchers: Table::default(),
             categories: Table::default(),
+            links: HashMap::new(),
             purchased,
             next_voucher_id: vouchers as i64 + 1,
             next_category_id: categories as i64 + 1,
@@ -264,7 +260,7 @@ impl TenantData {
             oversize: HashMap::new(),
         };
         for value in voucher_values {
-            tenant_data.vouchers.put(value.id, Record::new(value));
+            tenant_data.store_voucher(value);
         }
         for value in category_values {
             tenant_data.store_category(value);
@@ -272,13 +268,27 @@ impl TenantData {
         tenant_data
     }
 
-    /// Renders a category in its two forms (`forms[mask]`, bit 0 products);
-    /// `products` are the vouchers that link to it, ordered by sort_order then id.
-    pub fn render_category(&self, category: &CatalogCategory) -> Vec<Bytes> {
+    /// Renders a category, with `products` (the vouchers that link to it,
+    /// ordered by sort_order then id) or without.
+    fn render_category_form(&self, category: &CatalogCategory, with_products: bool) -> Bytes {
+        let mut plain = CatalogCategory {
+            products: None,
+            ..category.clone()
+        };
+        if let Some(target) = self.oversize_target(Resource::Categories, category.id) {
+            plain.description_html = padded(plain.description_html.as_deref(), target, |d| {
+                to_bytes(&CatalogCategory {
+                    description_html: d,
+                    ..plain.clone()
+                })
+                .len()
+            });
+        }
+        if !with_products {
+            return to_bytes(&plain);
+        }
         let mut products: Vec<CategoryProduct> = self
-            .vouchers
-            .values()
-            .filter(|v| v.category_refs.iter().any(|r| r.id == category.id))
+            .linked_vouchers(category.id)
             .map(|v| CategoryProduct {
                 id: v.id,
                 slug: Some(v.slug.clone()),
@@ -296,32 +306,18 @@ impl TenantData {
             })
             .collect();
         products.sort_by_key(|p| (p.sort_order, p.id));
-        let mut plain = CatalogCategory {
-            products: None,
-            ..category.clone()
-        };
-        if let Some(target) = self.oversize_target(Resource::Categories, category.id) {
-            plain.description_html = padded(plain.description_html.as_deref(), target, |d| {
-                to_bytes(&CatalogCategory {
-                    description_html: d,
-                    ..plain.clone()
-                })
-                .len()
-            });
-        }
-        let full = CatalogCategory {
+        to_bytes(&CatalogCategory {
             products: Some(products),
-            ..plain.clone()
-        };
-        vec![to_bytes(&plain), to_bytes(&full)]
+            ..plain
+        })
     }
 
-    /// Stores a category with both forms rendered (they depend on the vouchers,
-    /// so they are rendered now, while the vouchers are as they are now).
+    /// Stores a category, its forms rendered on first request. They depend
+    /// on the vouchers that link it, and every change of those stores the
+    /// category again (`refresh_categories`), so a form rendered later shows
+    /// the vouchers as they were when it was stored, as rendering it now would.
     fn store_category(&mut self, category: CatalogCategory) {
-        let forms = self.render_category(&category);
-        self.categories
-            .put(category.id, Record::rendered(category, forms));
+        self.categories.put(category.id, Record::new(category));
     }
 
     /// Re-renders the given categories after their products changed,
@@ -334,13 +330,53 @@ impl TenantData {
         }
     }
 
+    /// The vouchers that link category `id`, in id order.
+    fn linked_vouchers(&self, id: i64) -> impl Iterator<Item = &CatalogVoucher> {
+        self.links
+            .get(&id)
+            .into_iter()
+            .flatten()
+            .filter_map(|voucher| self.vouchers.get(*voucher))
+    }
+
+    /// Stores a voucher as it is, moving its links from the categories it
+    /// linked before to the ones it links now (no category is re-rendered).
+    fn store_voucher(&mut self, value: CatalogVoucher) {
+        self.unlink(value.id);
+        for category in &value.category_refs {
+            self.links.entry(category.id).or_default().insert(value.id);
+        }
+        self.vouchers.put(value.id, Record::new(value));
+    }
+
+    /// Removes a voucher and its links; false when it did not exist.
+    fn remove_voucher(&mut self, id: i64) -> bool {
+        self.unlink(id);
+        self.vouchers.remove(id)
+    }
+
+    /// Drops the links of the stored voucher `id`.
+    fn unlink(&mut self, id: i64) {
+        let Some(old) = self.vouchers.get(id) else {
+            return;
+        };
+        for category in &old.category_refs {
+            if let Some(linked) = self.links.get_mut(&category.id) {
+                linked.remove(&id);
+                if linked.is_empty() {
+                    self.links.remove(&category.id);
+                }
+            }
+        }
+    }
+
     /// Stores a voucher and refreshes the categories it links to now or did before.
     pub fn put_voucher(&mut self, value: CatalogVoucher) {
         let mut touched: Vec<i64> = value.category_refs.iter().map(|r| r.id).collect();
         if let Some(old) = self.vouchers.get(value.id) {
             touched.extend(old.category_refs.iter().map(|r| r.id));
         }
-        self.vouchers.put(value.id, Record::new(value));
+        self.store_voucher(value);
         touched.sort_unstable();
         touched.dedup();
         self.refresh_categories(&touched);
@@ -351,8 +387,7 @@ impl TenantData {
         let reference = data::category_ref(&value);
         self.store_category(value);
         let linked: Vec<CatalogVoucher> = self
-            .vouchers
-            .values()
+            .linked_vouchers(reference.id)
             .filter(|v| {
                 v.category_refs
                     .iter()
@@ -368,7 +403,7 @@ impl TenantData {
             {
                 *r = reference.clone();
             }
-            self.vouchers.put(voucher.id, Record::new(voucher));
+            self.store_voucher(voucher);
         }
     }
 
@@ -380,7 +415,7 @@ impl TenantData {
                     Some(v) => v.category_refs.iter().map(|r| r.id).collect(),
                     None => return false,
                 };
-                self.vouchers.remove(id);
+                self.remove_voucher(id);
                 self.refresh_categories(&refs);
                 true
             }
@@ -388,15 +423,10 @@ impl TenantData {
                 if !self.categories.remove(id) {
                     return false;
                 }
-                let linked: Vec<CatalogVoucher> = self
-                    .vouchers
-                    .values()
-                    .filter(|v| v.category_refs.iter().any(|r| r.id == id))
-                    .cloned()
-                    .collect();
+                let linked: Vec<CatalogVoucher> = self.linked_vouchers(id).cloned().collect();
                 for mut voucher in linked {
                     voucher.category_refs.retain(|r| r.id != id);
-                    self.vouchers.put(voucher.id, Record::new(voucher));
+                    self.store_voucher(voucher);
                 }
                 true
             }
@@ -507,7 +537,7 @@ impl TenantData {
                     return false;
                 };
                 value.updated_at = at;
-                self.vouchers.put(id, Record::new(value));
+                self.store_voucher(value);
                 true
             }
             Resource::Categories => {
@@ -584,9 +614,7 @@ impl TenantData {
     /// A category's form `mask`. Categories are stored with their forms
     /// rendered, so this only runs should one be missing.
     fn category_form(&self, category: &CatalogCategory, mask: u8) -> Bytes {
-        let forms = self.render_category(category);
-        let products = usize::from(mask & 1);
-        forms.get(products).cloned().unwrap_or_default()
+        self.render_category_form(category, mask & 1 != 0)
     }
 }
 
@@ -661,7 +689,7 @@ impl TenantData {
                 let Some(value) = self.vouchers.get(id).cloned() else {
                     return false;
                 };
-                self.vouchers.put(id, Record::new(value));
+                self.store_voucher(value);
                 true
             }
             Resource::Categories => {
@@ -852,6 +880,60 @@ mod tests {
     }
 
     #[test]
+    fn the_category_links_follow_every_change_as_a_scan_of_the_vouchers_would() {
+        use rand::SeedableRng;
+        let mut tenant = TenantData::generate(20, 1, 200, 8, 0.0);
+        let mut rng = StdRng::seed_from_u64(3);
+        let at = Utc::now();
+        let pick = |rng: &mut StdRng, ids: Vec<i64>| ids[rng.random_range(0..ids.len())];
+        for step in 0..600 {
+            let vouchers = tenant.vouchers.ids();
+            let categories = tenant.categories.ids();
+            match step % 6 {
+                0 => {
+                    tenant.create(&mut rng, Resource::Vouchers, at);
+                }
+                1 => {
+                    let id = pick(&mut rng, vouchers);
+                    assert!(tenant.update(&mut rng, Resource::Vouchers, id, Some(at)));
+                }
+                2 if !categories.is_empty() => {
+                    let id = pick(&mut rng, categories);
+                    assert!(tenant.update(&mut rng, Resource::Categories, id, Some(at)));
+                }
+                3 => {
+                    assert!(tenant.delete(Resource::Vouchers, pick(&mut rng, vouchers)));
+                }
+                4 if step % 60 == 4 && categories.len() > 2 => {
+                    assert!(tenant.delete(Resource::Categories, pick(&mut rng, categories)));
+                }
+                _ => {
+                    tenant.create(&mut rng, Resource::Categories, at);
+                }
+            }
+            for category in tenant.categories.ids() {
+                let mut scanned: Vec<i64> = tenant
+                    .vouchers
+                    .values()
+                    .filter(|v| v.category_refs.iter().any(|r| r.id == category))
+                    .map(|v| v.id)
+                    .collect();
+                scanned.sort_unstable();
+                let linked: Vec<i64> = tenant.linked_vouchers(category).map(|v| v.id).collect();
+                assert_eq!(linked, scanned, "step {step}, category {category}");
+            }
+            assert!(
+                tenant
+                    .links
+                    .keys()
+                    .all(|id| tenant.categories.get(*id).is_some()),
+                "step {step}: links to a deleted category"
+            );
+        }
+        assert!(tenant.links.values().any(|linked| linked.len() > 1));
+    }
+
+    #[test]
     fn vouchers_created_from_the_same_seed_link_the_same_categories() {
         use rand::SeedableRng;
         let created = || {
@@ -940,7 +1022,7 @@ mod tests {
                             let Some(c) = tenant.categories.get(id) else {
                                 panic!("category {id} listed by ids");
                             };
-                            let fresh = tenant.render_category(c)[usize::from(mask)].clone();
+                            let fresh = tenant.render_category_form(c, mask & 1 != 0);
                             ((micros(c.updated_at), id), fresh)
                         }
                     };
@@ -1015,7 +1097,7 @@ mod tests {
     }
 
     #[test]
-    fn a_voucher_form_is_rendered_on_first_request_only() {
+    fn a_record_form_is_rendered_on_first_request_only() {
         let tenant = TenantData::generate(20, 1, 200, 5, data::BULK_IMPORT_SHARE);
         let rendered = |id: i64| -> Vec<bool> {
             let Some(record) = tenant.vouchers.record(id) else {
@@ -1030,12 +1112,18 @@ mod tests {
         let again = tenant.form(Resource::Vouchers, first, 3);
         assert_eq!(again.as_ref(), Some(&page[0].1));
         assert_eq!(rendered(first), [false, false, false, true]);
-        // Categories depend on other records: rendered when stored.
-        let Some(category) = tenant.categories.record(1) else {
-            panic!("category 1 not generated");
+        // Categories too, though their products depend on the vouchers: any
+        // change of a linked voucher stores the category again.
+        let category_forms = |id: i64| -> Vec<bool> {
+            let Some(category) = tenant.categories.record(id) else {
+                panic!("category {id} not generated");
+            };
+            category.forms.iter().map(|f| f.get().is_some()).collect()
         };
-        let categories: Vec<bool> = category.forms.iter().map(|f| f.get().is_some()).collect();
-        assert_eq!(categories, [true, true, false, false]);
+        assert_eq!(category_forms(1), [false; FORMS]);
+        let products = tenant.form(Resource::Categories, 1, 1);
+        assert_eq!(category_forms(1), [false, true, false, false]);
+        assert_eq!(tenant.form(Resource::Categories, 1, 1), products);
     }
 
     /// One change to a tenant, in a test's list of changes.
