@@ -2,11 +2,12 @@
 //! `include` form, and an ordered index by `(updated_at, id)` so a list page
 //! is a range scan plus a copy.
 //!
-//! A voucher's forms are rendered on first request and kept (a client
+//! A record's forms are rendered on first request and kept (a client
 //! usually asks for one form only, and a catalog of millions must fit in
-//! memory); a category's are rendered when it is stored, since its
-//! `products` depend on other records. Any change stores a new [`Record`],
-//! so it drops the rendered forms of that record only.
+//! memory). Any change stores a new [`Record`], so it drops the rendered
+//! forms of that record only; a category's `products` depend on its
+//! vouchers, so every voucher change that affects them stores the category
+//! again.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, OnceLock};
@@ -180,9 +181,9 @@ pub struct TenantData {
     pub id: TenantId,
     /// Catalog vouchers (written only through `store_voucher` and
     /// `remove_voucher`, which keep `links` in step).
-    pub vouchers: Table<CatalogVoucher>,
+    vouchers: Table<CatalogVoucher>,
     /// Catalog categories.
-    pub categories: Table<CatalogCategory>,
+    categories: Table<CatalogCategory>,
     /// The ids of the vouchers that link each category: rendering a
     /// category or following its change reads them instead of scanning
     /// every voucher of the tenant.
@@ -320,8 +321,9 @@ impl TenantData {
         self.categories.put(category.id, Record::new(category));
     }
 
-    /// Re-renders the given categories after their products changed,
-    /// without bumping their `updated_at` (derived data changes silently).
+    /// Stores the given categories again after their products changed, so
+    /// their forms render anew, without bumping their `updated_at` (derived
+    /// data changes silently).
     pub fn refresh_categories(&mut self, ids: &[i64]) {
         for id in ids {
             if let Some(category) = self.categories.get(*id).cloned() {
@@ -611,8 +613,8 @@ impl TenantData {
         }
     }
 
-    /// A category's form `mask`. Categories are stored with their forms
-    /// rendered, so this only runs should one be missing.
+    /// A category's form `mask` (bit 0: with `products`), rendered from the
+    /// vouchers that link it now.
     fn category_form(&self, category: &CatalogCategory, mask: u8) -> Bytes {
         self.render_category_form(category, mask & 1 != 0)
     }
