@@ -80,6 +80,14 @@ impl Harness {
             .with_settings(self.settings.clone())
     }
 
+    /// A sweeper of `stream` whose listings may take `floor` pages before
+    /// the records known count (`poll.max_pages_floor`).
+    fn sweeper_with_floor(&self, stream: StreamKey, floor: u64) -> Sweeper {
+        let mut settings = self.settings.clone();
+        settings.max_pages_floor = floor;
+        self.builder(stream).with_settings(settings).build()
+    }
+
     async fn sweep(&self, tenant: u64, resource: Resource, kind: SweepKind) -> Vec<Value> {
         self.sink.take();
         self.sweeper(StreamKey::new(tenant, resource))
@@ -1086,9 +1094,7 @@ async fn a_cursor_cycle_or_an_endless_listing_fails_the_sweep_and_keeps_the_wate
         h.sweep(1, V, SweepKind::Incremental).await;
         let watermark = h.store.load_stream(stream).unwrap().watermark;
         h.sim.set_listing_fault(Some(fault));
-        let mut settings = h.settings.clone();
-        settings.max_pages_floor = 20;
-        let sweeper = h.builder(stream).with_settings(settings).build();
+        let sweeper = h.sweeper_with_floor(stream, 20);
         h.sim.clear_request_log();
         let cancel = CancellationToken::new();
         let err = tokio::time::timeout(
@@ -1119,9 +1125,7 @@ async fn a_first_sync_of_more_pages_than_the_floor_ends_by_itself_as_its_records
     // records each page commits.
     let h = spawn_harness(1, 6_000, 0).await;
     let stream = StreamKey::new(1, V);
-    let mut settings = h.settings.clone();
-    settings.max_pages_floor = 1;
-    let sweeper = h.builder(stream).with_settings(settings).build();
+    let sweeper = h.sweeper_with_floor(stream, 1);
     h.sim.clear_request_log();
     let report = sweeper
         .run(SweepKind::Incremental, &CancellationToken::new())
@@ -1146,9 +1150,7 @@ async fn an_endless_first_sync_stops_where_the_records_it_committed_set_the_limi
     let h = spawn_harness(1, 6_000, 0).await;
     let stream = StreamKey::new(1, V);
     h.sim.set_listing_fault(Some(ListingFault::Endless));
-    let mut settings = h.settings.clone();
-    settings.max_pages_floor = 1;
-    let sweeper = h.builder(stream).with_settings(settings).build();
+    let sweeper = h.sweeper_with_floor(stream, 1);
     h.sim.clear_request_log();
     let err = tokio::time::timeout(
         Duration::from_secs(60),

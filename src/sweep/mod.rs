@@ -13,7 +13,7 @@
 //!   single-record GET (404) before it is published;
 //! * a listing always ends: a repeated cursor or a page count far beyond the
 //!   records known (those its own pages committed included, up to
-//!   `MAX_LISTING_PAGES`) fails the sweep without moving the watermark;
+//!   `pagination::MAX_LISTING_PAGES`) fails the sweep without moving the watermark;
 //! * a page commits only as an [`Acked`] batch, built from one delivery per
 //!   event (the count checked), so the invariant holds by the types;
 //! * the next pages are listed while a page is published (`read_ahead`),
@@ -63,7 +63,7 @@ use crate::telemetry::metric;
 use crate::upstream::client::UpstreamClient;
 use crate::upstream::error::UpstreamError;
 use crate::upstream::page::{Hashing, ListQuery, Page, Record};
-use crate::upstream::pagination::{page_limit, PageLimit, MAX_LISTING_PAGES};
+use crate::upstream::pagination::{page_limit, PageLimit};
 use crate::upstream::ratelimit::Lane;
 
 /// Settings of a sweep, derived from `[poll]`.
@@ -238,6 +238,12 @@ impl SweepReport {
     /// Events acknowledged in total (record events only).
     pub fn events(&self) -> u64 {
         self.created + self.updated + self.snapshots + self.deleted
+    }
+
+    /// Events that can add a record to the store: creates, snapshots and
+    /// dead letters (a dead-lettered record is committed too).
+    fn additions(&self) -> u64 {
+        self.created + self.snapshots + self.dead_lettered
     }
 
     fn count(&mut self, op: Op) {
@@ -521,15 +527,12 @@ impl SweepRun<'_> {
                 }
             }
             if let Some(listed_at) = group.listed_at {
-                let adding =
-                    self.report.created + self.report.snapshots + self.report.dead_lettered;
+                let additions = self.report.additions();
                 self.process_page(&group.records, listed_at).await?;
-                // Only a group with creates, snapshots or dead letters can add
-                // records: an unchanged group asks the store nothing.
-                if self.report.created + self.report.snapshots + self.report.dead_lettered > adding
-                {
+                // An unchanged group asks the store nothing.
+                if self.report.additions() > additions {
                     let known = sweeper.store.record_count(stream)?;
-                    limit.raise_to(page_limit(known, floor).min(MAX_LISTING_PAGES));
+                    limit.raise_to(page_limit(known, floor));
                 }
                 if let Some(progress) = &sweeper.progress {
                     progress(stream, self.report.records_seen, self.report.pages);

@@ -145,9 +145,11 @@ impl PageLimit {
         self.0.load(Ordering::Relaxed)
     }
 
-    /// Raises the limit to `max_pages`; a lower value leaves it as it is.
+    /// Raises the limit to `max_pages`, at most [`MAX_LISTING_PAGES`]; a
+    /// lower value leaves it as it is.
     pub fn raise_to(&self, max_pages: u64) {
-        self.0.fetch_max(max_pages, Ordering::Relaxed);
+        self.0
+            .fetch_max(max_pages.min(MAX_LISTING_PAGES), Ordering::Relaxed);
     }
 }
 
@@ -203,6 +205,8 @@ mod tests {
         assert_eq!(guard.follow("3"), Ok(()));
         assert!(guard.follow("4").unwrap_err().contains("page limit of 4"));
         assert_eq!(guard.pages(), 4);
+        limit.raise_to(u64::MAX);
+        assert_eq!(limit.get(), MAX_LISTING_PAGES);
     }
 
     #[test]
