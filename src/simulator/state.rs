@@ -436,6 +436,17 @@ impl SimState {
             .unwrap_or_default()
     }
 
+    /// The id at `position` of a resource's ascending ids; None past the last
+    /// (or for an unknown tenant).
+    pub fn nth_record_id(
+        &self,
+        tenant: TenantId,
+        resource: Resource,
+        position: usize,
+    ) -> Option<i64> {
+        read(self.tenant(tenant)?).nth_id(resource, position)
+    }
+
     /// Number of records of a resource.
     pub fn record_count(&self, tenant: TenantId, resource: Resource) -> usize {
         self.tenant(tenant)

@@ -59,11 +59,16 @@ pub fn micros(at: Option<DateTime<Utc>>) -> Option<i64> {
     at.map(|at| at.timestamp_micros())
 }
 
-/// One resource's records of one tenant; the id map and the index share each record.
+/// One resource's records of one tenant; the id map and the index share each
+/// record, and a sorted list of their ids lets the mutator pick one at random
+/// without collecting and sorting every id for each change.
 #[derive(Debug)]
 pub struct Table<T> {
     records: HashMap<i64, Arc<Record<T>>>,
     index: BTreeMap<SortKey, Arc<Record<T>>>,
+    /// The keys of `records`, ascending (new ids are the largest, so a create
+    /// appends).
+    sorted_ids: Vec<i64>,
 }
 
 impl<T> Default for Table<T> {
@@ -71,6 +76,7 @@ impl<T> Default for Table<T> {
         Self {
             records: HashMap::new(),
             index: BTreeMap::new(),
+            sorted_ids: Vec::new(),
         }
     }
 }
@@ -101,8 +107,15 @@ impl<T: Stamped> Table<T> {
     /// Stores a record, replacing an older version (and its rendered forms).
     pub fn put(&mut self, id: i64, record: Record<T>) {
         let record = Arc::new(record);
-        if let Some(old) = self.records.insert(id, Arc::clone(&record)) {
-            self.index.remove(&Self::key(id, &old.value));
+        match self.records.insert(id, Arc::clone(&record)) {
+            Some(old) => {
+                self.index.remove(&Self::key(id, &old.value));
+            }
+            None => {
+                if let Err(at) = self.sorted_ids.binary_search(&id) {
+                    self.sorted_ids.insert(at, id);
+                }
+            }
         }
         self.index.insert(Self::key(id, &record.value), record);
     }
@@ -112,6 +125,9 @@ impl<T: Stamped> Table<T> {
         match self.records.remove(&id) {
             Some(old) => {
                 self.index.remove(&Self::key(id, &old.value));
+                if let Ok(at) = self.sorted_ids.binary_search(&id) {
+                    self.sorted_ids.remove(at);
+                }
                 true
             }
             None => false,
@@ -135,9 +151,12 @@ impl<T: Stamped> Table<T> {
 
     /// Ids of all records, ascending.
     pub fn ids(&self) -> Vec<i64> {
-        let mut ids: Vec<i64> = self.records.keys().copied().collect();
-        ids.sort_unstable();
-        ids
+        self.sorted_ids.clone()
+    }
+
+    /// The id at `position` of the ascending ids; None past the last.
+    pub fn nth_id(&self, position: usize) -> Option<i64> {
+        self.sorted_ids.get(position).copied()
     }
 
     /// Number of records.
@@ -561,6 +580,14 @@ impl TenantData {
         }
     }
 
+    /// The id at `position` of a resource's ascending ids; None past the last.
+    pub fn nth_id(&self, resource: Resource, position: usize) -> Option<i64> {
+        match resource {
+            Resource::Vouchers => self.vouchers.nth_id(position),
+            Resource::Categories => self.categories.nth_id(position),
+        }
+    }
+
     /// Number of records of a resource.
     pub fn len(&self, resource: Resource) -> usize {
         match resource {
@@ -879,6 +906,42 @@ mod tests {
         let (page, more) = tenant.page(Resource::Vouchers, None, None, 10_000, 0);
         assert!(!more);
         page.iter().map(|(key, _)| key.1).collect()
+    }
+
+    /// A record with nothing but a date, for the table's own tests.
+    struct Dated(Option<DateTime<Utc>>);
+
+    impl Stamped for Dated {
+        fn stamp(&self) -> Option<DateTime<Utc>> {
+            self.0
+        }
+    }
+
+    #[test]
+    fn a_tables_sorted_ids_follow_every_put_and_remove_in_any_id_order() {
+        use rand::SeedableRng;
+        let mut table: Table<Dated> = Table::default();
+        let mut rng = StdRng::seed_from_u64(7);
+        let at = Utc::now();
+        for step in 0..2_000 {
+            // Ids from a small range, so that puts replace, add below the
+            // largest id (as a snapshot restore does) and removes miss.
+            let id = rng.random_range(-20..200);
+            if rng.random_range(0..3) == 0 {
+                table.remove(id);
+            } else {
+                table.put(id, Record::new(Dated(Some(at))));
+            }
+            let mut keys: Vec<i64> = table.records.keys().copied().collect();
+            keys.sort_unstable();
+            assert_eq!(table.ids(), keys, "step {step}");
+            for (position, id) in keys.iter().enumerate() {
+                assert_eq!(table.nth_id(position), Some(*id), "step {step}");
+            }
+            assert_eq!(table.nth_id(keys.len()), None, "step {step}");
+            assert_eq!(table.index.len(), keys.len(), "step {step}");
+        }
+        assert!(table.len() > 100);
     }
 
     #[test]
