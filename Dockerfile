@@ -59,10 +59,9 @@ EXPOSE 9464
 # The health check talks HTTP over bash's /dev/tcp: no curl in the image.
 # HEALTHCHECK_URL is deliberately not VOUCHER_CDC_-prefixed (that prefix is config).
 ENV HEALTHCHECK_URL=http://127.0.0.1:9464/healthz
-# glibc gives every thread that allocates its own heap arena (up to 8 per
-# core); two arenas cut about 10 MB of max RSS off a large sync at no
-# measurable CPU cost (docs/performance.md).
-ENV MALLOC_ARENA_MAX=2
+# glibc's malloc is tuned by the binary itself (one arena, large blocks
+# mapped: src/main.rs); MALLOC_ARENA_MAX or MALLOC_MMAP_THRESHOLD_ set here
+# would override it.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
   CMD ["voucher-cdc-healthcheck"]
 # tini forwards SIGTERM to the daemon and reaps children.
