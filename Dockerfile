@@ -59,7 +59,7 @@ EXPOSE 9464
 # The health check talks HTTP over bash's /dev/tcp: no curl in the image.
 # HEALTHCHECK_URL is deliberately not VOUCHER_CDC_-prefixed (that prefix is config).
 ENV HEALTHCHECK_URL=http://127.0.0.1:9464/healthz
-# glibc's malloc is tuned by the binary itself (one arena, large blocks
+# glibc's malloc is tuned by the binary itself (two arenas, large blocks
 # mapped: src/main.rs); MALLOC_ARENA_MAX or MALLOC_MMAP_THRESHOLD_ set here
 # would override it.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \

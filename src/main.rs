@@ -42,12 +42,13 @@ fn main() -> ExitCode {
 
 /// Tunes glibc's malloc unless its environment variables say otherwise:
 ///
-/// - one arena (`MALLOC_ARENA_MAX`): glibc's default (eight per core) gives
+/// - two arenas (`MALLOC_ARENA_MAX`): glibc's default (eight per core) gives
 ///   sled's and tokio's threads arenas of their own, each keeping the space
-///   its threads freed. With two arenas a first sync's max RSS still grew
-///   with the catalog past a million records (35-41 MiB at 1M, 48-50 at 3M)
-///   while its live heap barely did; one arena holds 34-35 and 40, for CPU
-///   within the spread of runs (docs/performance.md, session Z);
+///   its threads freed (about 3 MiB more max RSS on a first sync, session F).
+///   One arena holds a few MiB less at three million records (40-48 MiB
+///   against 48-53) but costs a JetStream sync 6-36% more CPU, the tokio
+///   workers and the NATS client allocating under one lock (docs/performance.md,
+///   sessions S, Z and AA);
 /// - blocks of 128 KiB and more always mapped (`MALLOC_MMAP_THRESHOLD_`):
 ///   by default glibc raises that threshold to the size of every large block
 ///   it frees (up to 32 MiB), after which sled's 512 KiB log buffers, page
@@ -57,7 +58,7 @@ fn main() -> ExitCode {
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn tune_malloc() {
     let settings = [
-        ("MALLOC_ARENA_MAX", libc::M_ARENA_MAX, 1),
+        ("MALLOC_ARENA_MAX", libc::M_ARENA_MAX, 2),
         ("MALLOC_MMAP_THRESHOLD_", libc::M_MMAP_THRESHOLD, 128 * 1024),
     ];
     for (variable, parameter, value) in settings {
