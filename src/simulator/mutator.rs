@@ -141,6 +141,23 @@ fn pick_stream(
     Some((tenant, resource))
 }
 
+/// A stream's record count and one of its ids drawn from `rng` (no draw and
+/// None when it has none). Two reads: a test's or a snapshot restore's write
+/// between them can make the position past the last id, which reads as None
+/// (a create, as for an empty table), never as an error.
+fn random_record(
+    state: &SimState,
+    tenant: TenantId,
+    resource: Resource,
+    rng: &mut rand::rngs::StdRng,
+) -> (usize, Option<i64>) {
+    let count = state.record_count(tenant, resource);
+    let id = (count > 0)
+        .then(|| state.nth_record_id(tenant, resource, rng.random_range(0..count)))
+        .flatten();
+    (count, id)
+}
+
 /// Applies one random change on a tenant from `picker`; returns what it
 /// did, None when no tenant may change or the change did not apply.
 pub fn mutate_once(
@@ -154,14 +171,9 @@ pub fn mutate_once(
         .iter()
         .find(|(r, _)| *r == resource)
         .map_or(0, |(_, n)| *n);
-    // Two reads: a test's or a snapshot restore's write between them can make
-    // the position past the last id, which reads as none (a create, as for an
-    // empty table), never as an error.
-    let count = state.record_count(tenant, resource);
-    let change = pick_change(seed_stream.random_range(0..100), count, start);
-    let id = (count > 0)
-        .then(|| state.nth_record_id(tenant, resource, seed_stream.random_range(0..count)))
-        .flatten();
+    let roll = seed_stream.random_range(0..100);
+    let (count, id) = random_record(state, tenant, resource, seed_stream);
+    let change = pick_change(roll, count, start);
     let applied = |id, change| AppliedChange {
         tenant,
         resource,
@@ -209,23 +221,17 @@ pub fn backdate(
     let count = (history.as_secs_f64() / period).floor() as u64;
     let start =
         now - chrono::Duration::microseconds(history.as_micros().min(i64::MAX as u128) as i64);
-    let mut ids: std::collections::HashMap<(TenantId, Resource), Vec<i64>> =
-        std::collections::HashMap::new();
     let mut applied = 0;
     for i in 0..count {
         let Some((tenant, resource)) = pick_stream(picker, &mut rng) else {
             break;
         };
         let roll = rng.random_range(0..100);
-        let records = ids
-            .entry((tenant, resource))
-            .or_insert_with(|| state.record_ids(tenant, resource));
-        if records.is_empty() {
+        let (count, Some(id)) = random_record(state, tenant, resource, &mut rng) else {
             continue;
-        }
-        let id = records[rng.random_range(0..records.len())];
+        };
         let bumps = matches!(
-            pick_change(roll, records.len(), records.len()),
+            pick_change(roll, count, count),
             Change::Create | Change::Update | Change::Touch
         );
         if !bumps {
