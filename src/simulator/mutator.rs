@@ -227,11 +227,11 @@ pub fn backdate(
             break;
         };
         let roll = rng.random_range(0..100);
-        let (count, Some(id)) = random_record(state, tenant, resource, &mut rng) else {
+        let (records, Some(id)) = random_record(state, tenant, resource, &mut rng) else {
             continue;
         };
         let bumps = matches!(
-            pick_change(roll, count, count),
+            pick_change(roll, records, records),
             Change::Create | Change::Update | Change::Touch
         );
         if !bumps {
